@@ -1,0 +1,46 @@
+# Shared helpers for scripts/: a throwaway PostgreSQL 15 cluster with
+# streampos preloaded, owned by the postgres user (initdb refuses root).
+# shellcheck shell=bash
+
+PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}
+PG_CONFIG=${PG_CONFIG:-$PG_BIN/pg_config}
+
+as_postgres() {
+    if [ "$(id -u)" = 0 ]; then
+        runuser -u postgres -- "$@"
+    else
+        "$@"
+    fi
+}
+
+# cluster_start DATADIR PORT [extra postgresql.conf lines...]
+cluster_start() {
+    local data=$1 port=$2
+    shift 2
+    if [ ! -f "$data/PG_VERSION" ]; then
+        mkdir -p "$data"
+        [ "$(id -u)" = 0 ] && chown postgres: "$data"
+        as_postgres "$PG_BIN/initdb" -D "$data" -A trust -U postgres >/dev/null
+        {
+            echo "shared_preload_libraries = 'streampos'"
+            echo "port = $port"
+            echo "listen_addresses = '127.0.0.1'"
+            echo "unix_socket_directories = '/tmp'"
+            echo "max_connections = 120"
+            echo "max_prepared_transactions = 4"
+            echo "fsync = on"
+            for line in "$@"; do echo "$line"; done
+        } >>"$data/postgresql.conf"
+    fi
+    as_postgres "$PG_BIN/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null
+}
+
+cluster_stop() {
+    local data=$1 mode=${2:-fast}
+    as_postgres "$PG_BIN/pg_ctl" -D "$data" -m "$mode" -w -t 60 stop >/dev/null 2>&1 || true
+}
+
+install_extension() {
+    # Release build: what users run and what the benchmarks measure.
+    cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null
+}

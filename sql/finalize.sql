@@ -1,0 +1,247 @@
+-- streampos: type definitions, operators, operator classes, casts,
+-- aggregates and comments. Runs last, after every generated function.
+
+CREATE TYPE room_stream_token (
+    INPUT = room_stream_token_in,
+    OUTPUT = room_stream_token_out,
+    RECEIVE = room_stream_token_recv,
+    SEND = room_stream_token_send,
+    INTERNALLENGTH = VARIABLE,
+    ALIGNMENT = int4,
+    STORAGE = extended
+);
+
+CREATE OPERATOR < (
+    LEFTARG = room_stream_token,
+    RIGHTARG = room_stream_token,
+    FUNCTION = room_stream_token_lt,
+    COMMUTATOR = >,
+    NEGATOR = >=,
+    RESTRICT = scalarltsel,
+    JOIN = scalarltjoinsel
+);
+CREATE OPERATOR <= (
+    LEFTARG = room_stream_token,
+    RIGHTARG = room_stream_token,
+    FUNCTION = room_stream_token_le,
+    COMMUTATOR = >=,
+    NEGATOR = >,
+    RESTRICT = scalarlesel,
+    JOIN = scalarlejoinsel
+);
+CREATE OPERATOR = (
+    LEFTARG = room_stream_token,
+    RIGHTARG = room_stream_token,
+    FUNCTION = room_stream_token_eq,
+    COMMUTATOR = =,
+    NEGATOR = <>,
+    RESTRICT = eqsel,
+    JOIN = eqjoinsel,
+    HASHES,
+    MERGES
+);
+CREATE OPERATOR <> (
+    LEFTARG = room_stream_token,
+    RIGHTARG = room_stream_token,
+    FUNCTION = room_stream_token_ne,
+    COMMUTATOR = <>,
+    NEGATOR = =,
+    RESTRICT = neqsel,
+    JOIN = neqjoinsel
+);
+CREATE OPERATOR >= (
+    LEFTARG = room_stream_token,
+    RIGHTARG = room_stream_token,
+    FUNCTION = room_stream_token_ge,
+    COMMUTATOR = <=,
+    NEGATOR = <,
+    RESTRICT = scalargesel,
+    JOIN = scalargejoinsel
+);
+CREATE OPERATOR > (
+    LEFTARG = room_stream_token,
+    RIGHTARG = room_stream_token,
+    FUNCTION = room_stream_token_gt,
+    COMMUTATOR = <,
+    NEGATOR = <=,
+    RESTRICT = scalargtsel,
+    JOIN = scalargtjoinsel
+);
+
+CREATE OPERATOR CLASS room_stream_token_ops
+    DEFAULT FOR TYPE room_stream_token USING btree AS
+        OPERATOR 1 <,
+        OPERATOR 2 <=,
+        OPERATOR 3 =,
+        OPERATOR 4 >=,
+        OPERATOR 5 >,
+        FUNCTION 1 room_stream_token_cmp(room_stream_token, room_stream_token);
+
+CREATE OPERATOR CLASS room_stream_token_hash_ops
+    DEFAULT FOR TYPE room_stream_token USING hash AS
+        OPERATOR 1 =,
+        FUNCTION 1 room_stream_token_hash(room_stream_token),
+        FUNCTION 2 room_stream_token_hash_extended(room_stream_token, bigint);
+
+CREATE AGGREGATE advance(room_stream_token) (
+    SFUNC = advance,
+    STYPE = room_stream_token,
+    COMBINEFUNC = advance,
+    PARALLEL = SAFE
+);
+
+CREATE TYPE multi_writer_token (
+    INPUT = multi_writer_token_in,
+    OUTPUT = multi_writer_token_out,
+    RECEIVE = multi_writer_token_recv,
+    SEND = multi_writer_token_send,
+    INTERNALLENGTH = VARIABLE,
+    ALIGNMENT = int4,
+    STORAGE = extended
+);
+
+CREATE OPERATOR < (
+    LEFTARG = multi_writer_token,
+    RIGHTARG = multi_writer_token,
+    FUNCTION = multi_writer_token_lt,
+    COMMUTATOR = >,
+    NEGATOR = >=,
+    RESTRICT = scalarltsel,
+    JOIN = scalarltjoinsel
+);
+CREATE OPERATOR <= (
+    LEFTARG = multi_writer_token,
+    RIGHTARG = multi_writer_token,
+    FUNCTION = multi_writer_token_le,
+    COMMUTATOR = >=,
+    NEGATOR = >,
+    RESTRICT = scalarlesel,
+    JOIN = scalarlejoinsel
+);
+CREATE OPERATOR = (
+    LEFTARG = multi_writer_token,
+    RIGHTARG = multi_writer_token,
+    FUNCTION = multi_writer_token_eq,
+    COMMUTATOR = =,
+    NEGATOR = <>,
+    RESTRICT = eqsel,
+    JOIN = eqjoinsel,
+    HASHES,
+    MERGES
+);
+CREATE OPERATOR <> (
+    LEFTARG = multi_writer_token,
+    RIGHTARG = multi_writer_token,
+    FUNCTION = multi_writer_token_ne,
+    COMMUTATOR = <>,
+    NEGATOR = =,
+    RESTRICT = neqsel,
+    JOIN = neqjoinsel
+);
+CREATE OPERATOR >= (
+    LEFTARG = multi_writer_token,
+    RIGHTARG = multi_writer_token,
+    FUNCTION = multi_writer_token_ge,
+    COMMUTATOR = <=,
+    NEGATOR = <,
+    RESTRICT = scalargesel,
+    JOIN = scalargejoinsel
+);
+CREATE OPERATOR > (
+    LEFTARG = multi_writer_token,
+    RIGHTARG = multi_writer_token,
+    FUNCTION = multi_writer_token_gt,
+    COMMUTATOR = <,
+    NEGATOR = <=,
+    RESTRICT = scalargtsel,
+    JOIN = scalargtjoinsel
+);
+
+CREATE OPERATOR CLASS multi_writer_token_ops
+    DEFAULT FOR TYPE multi_writer_token USING btree AS
+        OPERATOR 1 <,
+        OPERATOR 2 <=,
+        OPERATOR 3 =,
+        OPERATOR 4 >=,
+        OPERATOR 5 >,
+        FUNCTION 1 multi_writer_token_cmp(multi_writer_token, multi_writer_token);
+
+CREATE OPERATOR CLASS multi_writer_token_hash_ops
+    DEFAULT FOR TYPE multi_writer_token USING hash AS
+        OPERATOR 1 =,
+        FUNCTION 1 multi_writer_token_hash(multi_writer_token),
+        FUNCTION 2 multi_writer_token_hash_extended(multi_writer_token, bigint);
+
+CREATE AGGREGATE advance(multi_writer_token) (
+    SFUNC = advance,
+    STYPE = multi_writer_token,
+    COMBINEFUNC = advance,
+    PARALLEL = SAFE
+);
+
+CREATE CAST (room_stream_token AS multi_writer_token)
+    WITH FUNCTION room_to_multi_writer_token(room_stream_token);
+CREATE CAST (multi_writer_token AS room_stream_token)
+    WITH FUNCTION multi_writer_to_room_token(multi_writer_token);
+
+-- Comments: what each object is for, as \df+ and \dT+ show them.
+COMMENT ON TYPE room_stream_token IS
+    'Synapse RoomStreamToken: s{stream}, t{topological}-{stream}, or m{stream}~{instance_id}.{pos}~…';
+COMMENT ON TYPE multi_writer_token IS
+    'Synapse MultiWriterStreamToken: {stream} or m{stream}~{instance_id}.{pos}~…';
+COMMENT ON TABLE instances IS 'Writer instances: ids never reused, names never changed';
+COMMENT ON TABLE streams IS 'Streams: their sequence, direction and writers (NULL: any instance)';
+COMMENT ON TABLE stream_tables IS 'Tables whose rows carry a stream''s IDs';
+COMMENT ON TABLE stream_positions IS
+    'Durable writer positions, written by the background worker: never ahead of the truth';
+
+COMMENT ON FUNCTION stream_pos(room_stream_token) IS 'The minimum position: every writer is at least here';
+COMMENT ON FUNCTION stream_pos(multi_writer_token) IS 'The minimum position: every writer is at least here';
+COMMENT ON FUNCTION max_stream_pos(room_stream_token) IS 'The highest position of any writer';
+COMMENT ON FUNCTION max_stream_pos(multi_writer_token) IS 'The highest position of any writer';
+COMMENT ON FUNCTION topological(room_stream_token) IS 'The topological part of a historical token; NULL for live tokens';
+COMMENT ON FUNCTION instance_pos(room_stream_token, integer) IS 'The position of one writer';
+COMMENT ON FUNCTION instance_pos(multi_writer_token, integer) IS 'The position of one writer';
+COMMENT ON FUNCTION instance_pos(room_stream_token, text) IS 'The position of one writer, by instance name';
+COMMENT ON FUNCTION instance_pos(multi_writer_token, text) IS 'The position of one writer, by instance name';
+COMMENT ON FUNCTION is_before_or_eq(room_stream_token, room_stream_token) IS
+    'Causal order: every component of a is <= b''s (a live token counts as topological +infinity)';
+COMMENT ON FUNCTION is_before_or_eq(multi_writer_token, multi_writer_token) IS
+    'Causal order: every writer''s position in a is <= its position in b';
+COMMENT ON FUNCTION persisted_after(room_stream_token, integer, bigint) IS
+    'Is stream_id of that writer newer than the token?';
+COMMENT ON FUNCTION persisted_after(multi_writer_token, integer, bigint) IS
+    'Is stream_id of that writer newer than the token?';
+COMMENT ON FUNCTION in_range(multi_writer_token, multi_writer_token, integer, bigint) IS
+    'low < position <= high for that writer; NULL bounds are unbounded, NULL instance uses the minimum';
+COMMENT ON FUNCTION in_range(room_stream_token, room_stream_token, integer, bigint) IS
+    'low < position <= high for that writer; NULL bounds are unbounded, NULL instance uses the minimum';
+COMMENT ON FUNCTION in_range(room_stream_token, room_stream_token, integer, bigint, bigint) IS
+    'For room pagination: historical bounds compare (topological, stream), live bounds the writer position';
+COMMENT ON FUNCTION advance(room_stream_token, room_stream_token) IS 'Least upper bound (Synapse copy_and_advance)';
+COMMENT ON FUNCTION advance(multi_writer_token, multi_writer_token) IS 'Least upper bound (Synapse copy_and_advance)';
+COMMENT ON AGGREGATE advance(room_stream_token) IS 'Least upper bound of all tokens';
+COMMENT ON AGGREGATE advance(multi_writer_token) IS 'Least upper bound of all tokens';
+COMMENT ON FUNCTION bound(room_stream_token, bigint) IS 'Cap every position at max_stream (Synapse bound_stream_token)';
+COMMENT ON FUNCTION bound(multi_writer_token, bigint) IS 'Cap every position at max_stream (Synapse bound_stream_token)';
+COMMENT ON FUNCTION make_room_token(bigint, integer[], bigint[]) IS 'A live room token from its minimum and writer positions';
+COMMENT ON FUNCTION make_historical_token(bigint, bigint) IS 'A historical room token t{topological}-{stream}';
+COMMENT ON FUNCTION make_multi_writer_token(bigint, integer[], bigint[]) IS 'A multi-writer token from its minimum and writer positions';
+
+COMMENT ON FUNCTION create_stream(text, boolean, text[]) IS 'Create a stream and the sequence it owns';
+COMMENT ON FUNCTION adopt_stream(text, regclass, boolean, text[]) IS 'Register an existing sequence as a stream';
+COMMENT ON FUNCTION add_table(text, regclass, text, text) IS 'Register a table whose rows carry the stream''s IDs';
+COMMENT ON FUNCTION set_writers(text, text[]) IS 'Set the instances allowed to write (NULL: any)';
+COMMENT ON FUNCTION drop_stream(text) IS 'Forget a stream and drop the sequence it owns';
+COMMENT ON FUNCTION instance_id(text) IS 'The id of an instance name, created on first use';
+COMMENT ON FUNCTION instance_name(integer) IS 'The name of an instance id';
+COMMENT ON FUNCTION next_id(text, text) IS 'Allocate one ID; it stays in flight until this transaction ends';
+COMMENT ON FUNCTION next_ids(text, text, integer) IS 'Allocate n IDs in allocation order';
+COMMENT ON FUNCTION frontier(text) IS 'Largest F with every ID <= F finished, for the caller''s snapshot';
+COMMENT ON FUNCTION max_allocated(text) IS 'The highest ID allocated so far';
+COMMENT ON FUNCTION writer_position(text, text) IS 'Largest p with every ID <= p of that writer finished';
+COMMENT ON FUNCTION writer_positions(text) IS 'Every writer''s position';
+COMMENT ON FUNCTION current_token(text) IS 'The frontier plus every writer ahead of it';
+COMMENT ON FUNCTION current_room_token(text) IS 'current_token as a room token';
+COMMENT ON FUNCTION in_flight(text) IS 'Who is holding the frontier back, and since when';
+COMMENT ON FUNCTION check_stream(text, boolean) IS 'Check the sequence against tables and stored positions; repair moves it forward';

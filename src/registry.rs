@@ -1,0 +1,903 @@
+//! The in-flight registry: shared memory that knows, for every stream, which
+//! IDs are allocated by transactions that have not ended, and which recently
+//! committed transactions some snapshot may still not see.
+//!
+//! Layout (one `ShmemInitStruct`, sized from GUCs at start-up):
+//! header | stream states | finished ring | backend slots (entries).
+//!
+//! One LWLock guards it all. Writers hold it exclusively for a few hundred
+//! nanoseconds twice per allocation and once per commit; readers hold it
+//! shared while scanning. The sequence's own lock, not ours, orders IDs.
+
+use std::ffi::CStr;
+use std::ptr;
+
+use pgrx::pg_sys;
+use pgrx::pg_sys::TransactionId;
+use streampos_core::frontier::{HeldBy, Holder};
+
+use crate::error::Error;
+use crate::guc;
+
+const TRANCHE: &CStr = c"streampos";
+const SHMEM_NAME: &CStr = c"streampos registry";
+/// Writers remembered per stream since start-up (for streams that allow any
+/// writer); more still work, they just do not appear in tokens until the
+/// background worker has stored their position.
+pub const SEEN_WRITERS: usize = 64;
+/// Databases with a position worker.
+pub const MAX_DATABASES: usize = 64;
+
+#[repr(C)]
+struct Header {
+    lock: *mut pg_sys::LWLock,
+    /// Broadcast whenever a transaction that held IDs ends.
+    cv: pg_sys::ConditionVariable,
+    n_streams: u32,
+    ring_cap: u32,
+    n_slots: u32,
+    per_slot: u32,
+    ring_used: u32,
+    /// Bumped by every change to the stream catalog; backends drop their
+    /// cached catalog rows when it moves.
+    catalog_generation: u64,
+    workers: [WorkerSlot; MAX_DATABASES],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct WorkerSlot {
+    pub db: pg_sys::Oid,
+    pub pid: i32,
+    pub latch: *mut pg_sys::Latch,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Summary {
+    valid: bool,
+    min_xid: TransactionId,
+    max_xid: TransactionId,
+    min_id: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StreamState {
+    in_use: bool,
+    loaded: bool,
+    dropped: bool,
+    db: pg_sys::Oid,
+    key: i32,
+    max_allocated: i64,
+    /// Bumped every time an allocation of this stream finishes.
+    generation: u64,
+    summary: Summary,
+    n_seen: u32,
+    seen: [i32; SEEN_WRITERS],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Finished {
+    stream: i32,
+    instance: i32,
+    min_id: i64,
+    max_id: i64,
+    xid: TransactionId,
+}
+
+/// One backend's allocations in its current transaction, per (stream, writer).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Active {
+    /// Index into the stream states; -1 when free.
+    stream: i32,
+    instance: i32,
+    /// While `pending`, a lower bound published before `nextval` ran.
+    min_id: i64,
+    max_id: i64,
+    count: i64,
+    xid: TransactionId,
+    pending: bool,
+    since: pg_sys::TimestampTz,
+}
+
+const FREE_ACTIVE: Active = Active {
+    stream: -1,
+    instance: 0,
+    min_id: 0,
+    max_id: 0,
+    count: 0,
+    xid: TransactionId::INVALID,
+    pending: false,
+    since: 0,
+};
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SlotHeader {
+    pid: i32,
+    db: pg_sys::Oid,
+    used: u32,
+}
+
+struct Layout {
+    streams: usize,
+    ring: usize,
+    slot_headers: usize,
+    entries: usize,
+    total: usize,
+}
+
+fn align8(n: usize) -> usize {
+    (n + 7) & !7
+}
+
+fn layout(n_streams: usize, ring_cap: usize, n_slots: usize, per_slot: usize) -> Layout {
+    let streams = align8(size_of::<Header>());
+    let ring = streams + align8(n_streams * size_of::<StreamState>());
+    let slot_headers = ring + align8(ring_cap * size_of::<Finished>());
+    let entries = slot_headers + align8(n_slots * size_of::<SlotHeader>());
+    let total = entries + align8(n_slots * per_slot * size_of::<Active>());
+    Layout {
+        streams,
+        ring,
+        slot_headers,
+        entries,
+        total,
+    }
+}
+
+static mut HEADER: *mut Header = ptr::null_mut();
+static mut PREV_SHMEM_REQUEST: pg_sys::shmem_request_hook_type = None;
+static mut PREV_SHMEM_STARTUP: pg_sys::shmem_startup_hook_type = None;
+
+/// True while this backend's current transaction holds entries: the commit
+/// and abort callbacks return at once otherwise.
+static mut HOLDING: bool = false;
+static mut EXIT_CALLBACK_REGISTERED: bool = false;
+
+fn slot_count() -> usize {
+    // Every regular backend and background worker has a PGPROC below
+    // MaxBackends; only they can run SQL.
+    unsafe { pg_sys::MaxBackends.max(1) as usize }
+}
+
+pub fn request_shared_memory() {
+    unsafe {
+        PREV_SHMEM_REQUEST = pg_sys::shmem_request_hook;
+        pg_sys::shmem_request_hook = Some(shmem_request);
+        PREV_SHMEM_STARTUP = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(shmem_startup);
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn shmem_request() {
+    unsafe {
+        if let Some(prev) = PREV_SHMEM_REQUEST {
+            prev();
+        }
+        let l = layout(
+            guc::MAX_STREAMS.get() as usize,
+            guc::FINISHED_RING_SIZE.get() as usize,
+            slot_count(),
+            guc::MAX_STREAMS_PER_TRANSACTION.get() as usize,
+        );
+        pg_sys::RequestAddinShmemSpace(l.total);
+        pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 1);
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn shmem_startup() {
+    unsafe {
+        if let Some(prev) = PREV_SHMEM_STARTUP {
+            prev();
+        }
+        let n_streams = guc::MAX_STREAMS.get() as usize;
+        let ring_cap = guc::FINISHED_RING_SIZE.get() as usize;
+        let n_slots = slot_count();
+        let per_slot = guc::MAX_STREAMS_PER_TRANSACTION.get() as usize;
+        let l = layout(n_streams, ring_cap, n_slots, per_slot);
+
+        // AddinShmemInitLock is MainLWLockArray[21] (lwlocknames.txt).
+        let addin_shmem_init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
+        pg_sys::LWLockAcquire(addin_shmem_init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
+        let mut found = false;
+        let base = pg_sys::ShmemInitStruct(SHMEM_NAME.as_ptr(), l.total, &mut found) as *mut u8;
+        if !found {
+            ptr::write_bytes(base, 0, l.total);
+            let header = base as *mut Header;
+            (*header).lock = &mut (*pg_sys::GetNamedLWLockTranche(TRANCHE.as_ptr())).lock;
+            pg_sys::ConditionVariableInit(&mut (*header).cv);
+            (*header).n_streams = n_streams as u32;
+            (*header).ring_cap = ring_cap as u32;
+            (*header).n_slots = n_slots as u32;
+            (*header).per_slot = per_slot as u32;
+            let entries = base.add(l.entries) as *mut Active;
+            for i in 0..n_slots * per_slot {
+                entries.add(i).write(FREE_ACTIVE);
+            }
+        }
+        HEADER = base as *mut Header;
+        pg_sys::LWLockRelease(addin_shmem_init_lock);
+    }
+}
+
+/// A view of the registry while its lock is held. Dropping it releases the
+/// lock, so an ERROR raised while it is alive cannot leave the lock held
+/// (PostgreSQL also releases LWLocks on abort).
+struct Locked {
+    header: *mut Header,
+}
+
+impl Locked {
+    fn acquire(exclusive: bool) -> Result<Locked, Error> {
+        let header = unsafe { HEADER };
+        if header.is_null() {
+            return Err(Error::NotLoaded);
+        }
+        Ok(unsafe { Self::acquire_raw(header, exclusive) })
+    }
+
+    /// # Safety
+    /// `header` must be the initialised registry.
+    unsafe fn acquire_raw(header: *mut Header, exclusive: bool) -> Locked {
+        let mode = if exclusive {
+            pg_sys::LWLockMode::LW_EXCLUSIVE
+        } else {
+            pg_sys::LWLockMode::LW_SHARED
+        };
+        unsafe { pg_sys::LWLockAcquire((*header).lock, mode) };
+        Locked { header }
+    }
+
+    fn h(&self) -> &mut Header {
+        unsafe { &mut *self.header }
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.header as *mut u8
+    }
+
+    fn layout(&self) -> Layout {
+        let h = self.h();
+        layout(
+            h.n_streams as usize,
+            h.ring_cap as usize,
+            h.n_slots as usize,
+            h.per_slot as usize,
+        )
+    }
+
+    fn streams(&self) -> &mut [StreamState] {
+        let n = self.h().n_streams as usize;
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.base().add(self.layout().streams) as *mut StreamState,
+                n,
+            )
+        }
+    }
+
+    fn ring(&self) -> &mut [Finished] {
+        let n = self.h().ring_cap as usize;
+        unsafe {
+            std::slice::from_raw_parts_mut(self.base().add(self.layout().ring) as *mut Finished, n)
+        }
+    }
+
+    fn slot_headers(&self) -> &mut [SlotHeader] {
+        let n = self.h().n_slots as usize;
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.base().add(self.layout().slot_headers) as *mut SlotHeader,
+                n,
+            )
+        }
+    }
+
+    fn slot(&self, index: usize) -> &mut [Active] {
+        let per = self.h().per_slot as usize;
+        unsafe {
+            let entries = self.base().add(self.layout().entries) as *mut Active;
+            std::slice::from_raw_parts_mut(entries.add(index * per), per)
+        }
+    }
+}
+
+impl Drop for Locked {
+    fn drop(&mut self) {
+        unsafe { pg_sys::LWLockRelease((*self.header).lock) };
+    }
+}
+
+pub fn is_loaded() -> bool {
+    unsafe { !HEADER.is_null() }
+}
+
+pub fn require_loaded() -> Result<(), Error> {
+    if is_loaded() {
+        Ok(())
+    } else {
+        Err(Error::NotLoaded)
+    }
+}
+
+fn my_slot_index() -> Result<usize, Error> {
+    let procno = unsafe { (*pg_sys::MyProc).pgprocno };
+    let n = unsafe { (*HEADER).n_slots } as usize;
+    if procno < 0 || procno as usize >= n {
+        return Err(Error::InvalidState {
+            message: "this process cannot allocate stream IDs".into(),
+            detail: Some(
+                "Only client backends and background workers connected to a database can.".into(),
+            ),
+        });
+    }
+    Ok(procno as usize)
+}
+
+/// Find the state of (current database, stream key), creating it if needed.
+/// Returns its index and whether its maximum allocated ID is known yet.
+pub fn stream_index(key: i32) -> Result<(usize, bool), Error> {
+    let db = unsafe { pg_sys::MyDatabaseId };
+    {
+        let locked = Locked::acquire(false)?;
+        if let Some(i) = locked
+            .streams()
+            .iter()
+            .position(|s| s.in_use && s.db == db && s.key == key)
+        {
+            return Ok((i, locked.streams()[i].loaded));
+        }
+    }
+    let locked = Locked::acquire(true)?;
+    let streams = locked.streams();
+    if let Some(i) = streams
+        .iter()
+        .position(|s| s.in_use && s.db == db && s.key == key)
+    {
+        return Ok((i, streams[i].loaded));
+    }
+    let free = match streams.iter().position(|s| !s.in_use) {
+        Some(i) => Some(i),
+        None => reclaim_dropped(&locked),
+    };
+    let Some(i) = free else {
+        return Err(Error::RegistryFull {
+            what: "stream slot",
+            guc: "streampos.max_streams",
+        });
+    };
+    let s = &mut locked.streams()[i];
+    *s = unsafe { std::mem::zeroed() };
+    s.in_use = true;
+    s.db = db;
+    s.key = key;
+    Ok((i, false))
+}
+
+/// A dropped stream's state can be reused once nothing refers to it.
+fn reclaim_dropped(locked: &Locked) -> Option<usize> {
+    let candidates: Vec<usize> = locked
+        .streams()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.dropped)
+        .map(|(i, _)| i)
+        .collect();
+    let h = locked.h();
+    'next: for i in candidates {
+        let i32_index = i as i32;
+        if locked.ring()[..h.ring_used as usize]
+            .iter()
+            .any(|f| f.stream == i32_index)
+        {
+            continue;
+        }
+        for slot in 0..h.n_slots as usize {
+            if locked.slot(slot).iter().any(|a| a.stream == i32_index) {
+                continue 'next;
+            }
+        }
+        locked.streams()[i].in_use = false;
+        return Some(i);
+    }
+    None
+}
+
+/// Record the maximum allocated ID read from the sequence, unless another
+/// backend did first. Allocations only start once it is known, so a value
+/// read before any allocation since start-up is exact.
+pub fn set_loaded(index: usize, max_allocated: i64) -> Result<(), Error> {
+    let locked = Locked::acquire(true)?;
+    let s = &mut locked.streams()[index];
+    if !s.loaded {
+        s.loaded = true;
+        s.max_allocated = max_allocated;
+    }
+    Ok(())
+}
+
+/// Mark a stream dropped (its key is never reused).
+pub fn mark_dropped(key: i32) -> Result<(), Error> {
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let locked = Locked::acquire(true)?;
+    for s in locked.streams().iter_mut() {
+        if s.in_use && s.db == db && s.key == key {
+            s.dropped = true;
+        }
+    }
+    Ok(())
+}
+
+/// Step 1 of an allocation: publish, before `nextval` runs, a lower bound
+/// for the IDs this transaction is about to take. Without it a reader could
+/// see a later ID registered by another writer and report a frontier past
+/// ours.
+pub fn begin_allocation(stream: usize, instance: i32, xid: TransactionId) -> Result<usize, Error> {
+    let slot_index = my_slot_index()?;
+    register_exit_callback();
+    let locked = Locked::acquire(true)?;
+    let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
+    let stream_i32 = stream as i32;
+    let slot = locked.slot(slot_index);
+    if let Some(i) = slot
+        .iter()
+        .position(|a| a.stream == stream_i32 && a.instance == instance)
+    {
+        // The existing entry's minimum is already below anything new.
+        return Ok(i);
+    }
+    let Some(i) = slot.iter().position(|a| a.stream < 0) else {
+        return Err(Error::RegistryFull {
+            what: "entry for this transaction",
+            guc: "streampos.max_streams_per_transaction",
+        });
+    };
+    slot[i] = Active {
+        stream: stream_i32,
+        instance,
+        min_id: lower_bound,
+        max_id: lower_bound,
+        count: 0,
+        xid,
+        pending: true,
+        since: unsafe { pg_sys::GetCurrentTransactionStartTimestamp() },
+    };
+    let header = &mut locked.slot_headers()[slot_index];
+    header.pid = unsafe { pg_sys::MyProcPid };
+    header.db = unsafe { pg_sys::MyDatabaseId };
+    header.used += 1;
+    unsafe { HOLDING = true };
+    Ok(i)
+}
+
+/// Step 2: the IDs `first..=last` (in internal, positive numbering) were
+/// handed out by the sequence.
+pub fn finish_allocation(
+    stream: usize,
+    entry: usize,
+    instance: i32,
+    first: i64,
+    last: i64,
+) -> Result<(), Error> {
+    let slot_index = my_slot_index()?;
+    let locked = Locked::acquire(true)?;
+    let s = &mut locked.streams()[stream];
+    if first <= s.max_allocated {
+        // The sequence went backwards (setval, or a cache > 1): IDs could
+        // repeat or a reader could already have reported past this one.
+        return Err(Error::InvalidState {
+            message: "the stream's sequence returned an ID that was already allocated".into(),
+            detail: Some(format!(
+                "The sequence returned {first}, but {} was allocated before. Was it reset with setval()?",
+                s.max_allocated
+            )),
+        });
+    }
+    s.max_allocated = last;
+    if !s.seen[..s.n_seen as usize].contains(&instance) && (s.n_seen as usize) < SEEN_WRITERS {
+        s.seen[s.n_seen as usize] = instance;
+        s.n_seen += 1;
+    }
+    let a = &mut locked.slot(slot_index)[entry];
+    if a.pending {
+        a.min_id = first;
+        a.pending = false;
+    }
+    a.max_id = a.max_id.max(last);
+    a.count += last - first + 1;
+    Ok(())
+}
+
+/// The IDs handed out by this backend's transaction are finished. Called from
+/// the commit and abort callbacks: nothing here may raise an ERROR or panic,
+/// allocate, or run SQL.
+pub fn end_transaction(committed: bool) {
+    unsafe {
+        if !HOLDING || HEADER.is_null() {
+            return;
+        }
+        HOLDING = false;
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let locked = Locked::acquire_raw(HEADER, true);
+        let h = locked.h();
+        let ring_cap = h.ring_cap as usize;
+        for a in locked.slot(procno as usize).iter_mut() {
+            if a.stream < 0 {
+                continue;
+            }
+            let stream = a.stream as usize;
+            if committed {
+                let used = h.ring_used as usize;
+                if used < ring_cap {
+                    locked.ring()[used] = Finished {
+                        stream: a.stream,
+                        instance: a.instance,
+                        min_id: a.min_id,
+                        max_id: a.max_id,
+                        xid: a.xid,
+                    };
+                    h.ring_used += 1;
+                } else {
+                    fold_into_summary(&mut locked.streams()[stream].summary, a.xid, a.min_id);
+                }
+            }
+            locked.streams()[stream].generation += 1;
+            *a = FREE_ACTIVE;
+        }
+        locked.slot_headers()[procno as usize].used = 0;
+        drop(locked);
+        pg_sys::ConditionVariableBroadcast(&mut (*HEADER).cv);
+    }
+}
+
+fn fold_into_summary(summary: &mut Summary, xid: TransactionId, min_id: i64) {
+    if !summary.valid {
+        *summary = Summary {
+            valid: true,
+            min_xid: xid,
+            max_xid: xid,
+            min_id,
+        };
+        return;
+    }
+    unsafe {
+        if pg_sys::TransactionIdPrecedes(xid, summary.min_xid) {
+            summary.min_xid = xid;
+        }
+        if pg_sys::TransactionIdPrecedes(summary.max_xid, xid) {
+            summary.max_xid = xid;
+        }
+    }
+    summary.min_id = summary.min_id.min(min_id);
+}
+
+fn register_exit_callback() {
+    unsafe {
+        if !EXIT_CALLBACK_REGISTERED {
+            pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(0));
+            EXIT_CALLBACK_REGISTERED = true;
+        }
+    }
+}
+
+/// Backend exit normally runs the abort path first; this covers any exit
+/// that does not.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
+    end_transaction(false);
+}
+
+/// Forget finished entries that every snapshot, now and later, sees.
+pub fn prune() -> Result<(), Error> {
+    require_loaded()?;
+    let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(ptr::null_mut()) };
+    let locked = Locked::acquire(true)?;
+    let h = locked.h();
+    let ring = locked.ring();
+    let mut i = 0;
+    while i < h.ring_used as usize {
+        if unsafe { pg_sys::TransactionIdPrecedes(ring[i].xid, horizon) } {
+            h.ring_used -= 1;
+            ring[i] = ring[h.ring_used as usize];
+        } else {
+            i += 1;
+        }
+    }
+    for s in locked.streams().iter_mut() {
+        if s.summary.valid && unsafe { pg_sys::TransactionIdPrecedes(s.summary.max_xid, horizon) } {
+            s.summary.valid = false;
+        }
+    }
+    Ok(())
+}
+
+/// Does `snapshot` possibly not see transaction `xid` as finished?
+unsafe fn invisible(xid: TransactionId, snapshot: pg_sys::Snapshot) -> bool {
+    unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
+}
+
+/// Does `snapshot` see every committed transaction in [min_xid, max_xid]?
+/// Conservative: any running transaction of the snapshot inside the range
+/// makes the whole summary count as in flight.
+unsafe fn sees_all(summary: &Summary, snapshot: pg_sys::Snapshot) -> bool {
+    unsafe {
+        let snap = &*snapshot;
+        if pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmin) {
+            return true;
+        }
+        if snap.takenDuringRecovery || !pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmax) {
+            return false;
+        }
+        let xip = std::slice::from_raw_parts(snap.xip, snap.xcnt as usize);
+        !xip.iter().any(|&x| {
+            !pg_sys::TransactionIdPrecedes(x, summary.min_xid)
+                && !pg_sys::TransactionIdPrecedes(summary.max_xid, x)
+        })
+    }
+}
+
+/// What the caller's snapshot must treat as in flight for one stream.
+pub struct StreamView {
+    pub max_allocated: i64,
+    pub holders: Vec<Holder>,
+    pub seen: Vec<i32>,
+    pub generation: u64,
+}
+
+/// The snapshot this statement reads with.
+pub fn caller_snapshot() -> pg_sys::Snapshot {
+    unsafe {
+        if pg_sys::ActiveSnapshotSet() {
+            pg_sys::GetActiveSnapshot()
+        } else {
+            pg_sys::GetTransactionSnapshot()
+        }
+    }
+}
+
+pub fn view(stream: usize, snapshot: pg_sys::Snapshot) -> Result<StreamView, Error> {
+    let locked = Locked::acquire(false)?;
+    let h = locked.h();
+    let s = locked.streams()[stream];
+    let stream_i32 = stream as i32;
+    let mut holders = Vec::new();
+    for (slot_index, header) in locked.slot_headers().iter().enumerate() {
+        if header.used == 0 {
+            continue;
+        }
+        for a in locked.slot(slot_index).iter() {
+            if a.stream == stream_i32 {
+                holders.push(Holder {
+                    held_by: HeldBy::Writer(a.instance),
+                    min_id: a.min_id,
+                });
+            }
+        }
+    }
+    for f in locked.ring()[..h.ring_used as usize].iter() {
+        if f.stream == stream_i32 && unsafe { invisible(f.xid, snapshot) } {
+            holders.push(Holder {
+                held_by: HeldBy::Writer(f.instance),
+                min_id: f.min_id,
+            });
+        }
+    }
+    if s.summary.valid && !unsafe { sees_all(&s.summary, snapshot) } {
+        holders.push(Holder {
+            held_by: HeldBy::AllWriters,
+            min_id: s.summary.min_id,
+        });
+    }
+    Ok(StreamView {
+        max_allocated: s.max_allocated,
+        holders,
+        seen: s.seen[..s.n_seen as usize].to_vec(),
+        generation: s.generation,
+    })
+}
+
+/// The stream's generation: it moves whenever an allocation finishes.
+pub fn generation(stream: usize) -> Result<u64, Error> {
+    let locked = Locked::acquire(false)?;
+    Ok(locked.streams()[stream].generation)
+}
+
+/// One row of `streampos.in_flight()`.
+pub struct InFlight {
+    pub db: pg_sys::Oid,
+    pub key: i32,
+    pub instance: i32,
+    pub pid: i32,
+    pub xid: TransactionId,
+    pub min_id: i64,
+    pub max_id: i64,
+    pub ids: i64,
+    pub since: pg_sys::TimestampTz,
+}
+
+pub fn in_flight() -> Result<Vec<InFlight>, Error> {
+    let locked = Locked::acquire(false)?;
+    let streams = locked.streams();
+    let mut rows = Vec::new();
+    for (slot_index, header) in locked.slot_headers().iter().enumerate() {
+        if header.used == 0 {
+            continue;
+        }
+        for a in locked.slot(slot_index).iter().filter(|a| a.stream >= 0) {
+            let s = &streams[a.stream as usize];
+            rows.push(InFlight {
+                db: s.db,
+                key: s.key,
+                instance: a.instance,
+                pid: header.pid,
+                xid: a.xid,
+                min_id: a.min_id,
+                max_id: a.max_id,
+                ids: a.count,
+                since: a.since,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+pub fn catalog_generation() -> Option<u64> {
+    let locked = Locked::acquire(false).ok()?;
+    Some(locked.h().catalog_generation)
+}
+
+pub fn bump_catalog_generation() {
+    if let Ok(locked) = Locked::acquire(true) {
+        locked.h().catalog_generation += 1;
+    }
+}
+
+/// Sleep until the stream's generation moves past `seen`, or `timeout_ms`
+/// passes. Returns false on timeout.
+pub fn wait_for_change(stream: usize, seen: u64, timeout_ms: i64) -> Result<bool, Error> {
+    require_loaded()?;
+    let cv = unsafe { &mut (*HEADER).cv as *mut pg_sys::ConditionVariable };
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+    unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
+    let changed = loop {
+        if generation(stream)? != seen {
+            break true;
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            break false;
+        }
+        let left = (deadline - now).as_millis().min(i32::MAX as u128) as i64;
+        // Wakes on broadcast, timeout, or an interrupt (which is then raised).
+        unsafe { pg_sys::ConditionVariableTimedSleep(cv, left, pg_sys::PG_WAIT_EXTENSION) };
+    };
+    unsafe { pg_sys::ConditionVariableCancelSleep() };
+    Ok(changed)
+}
+
+/// Position worker bookkeeping.
+pub fn claim_worker_slot(db: pg_sys::Oid) -> Result<bool, Error> {
+    let locked = Locked::acquire(true)?;
+    let workers = &mut locked.h().workers;
+    let me = unsafe { pg_sys::MyProcPid };
+    if let Some(w) = workers.iter_mut().find(|w| w.db == db) {
+        if w.pid > 0 && w.pid != me && unsafe { libc_kill_alive(w.pid) } {
+            return Ok(false);
+        }
+        w.pid = me;
+        w.latch = unsafe { pg_sys::MyLatch };
+        return Ok(true);
+    }
+    match workers.iter_mut().find(|w| w.db == pg_sys::InvalidOid) {
+        Some(w) => {
+            *w = WorkerSlot {
+                db,
+                pid: me,
+                latch: unsafe { pg_sys::MyLatch },
+            };
+            Ok(true)
+        }
+        None => Ok(false),
+    }
+}
+
+pub fn release_worker_slot(db: pg_sys::Oid) {
+    if let Ok(locked) = Locked::acquire(true) {
+        let me = unsafe { pg_sys::MyProcPid };
+        for w in locked.h().workers.iter_mut() {
+            if w.db == db && w.pid == me {
+                w.pid = 0;
+                w.latch = ptr::null_mut();
+            }
+        }
+    }
+}
+
+/// Is a position worker registered (or starting) for this database? Marks it
+/// as starting when not, so that only one backend starts it.
+pub fn worker_needed(db: pg_sys::Oid) -> bool {
+    let Ok(locked) = Locked::acquire(true) else {
+        return false;
+    };
+    let workers = &mut locked.h().workers;
+    if let Some(w) = workers.iter_mut().find(|w| w.db == db) {
+        if w.pid == -1 || (w.pid > 0 && unsafe { libc_kill_alive(w.pid) }) {
+            return false;
+        }
+        w.pid = -1;
+        return true;
+    }
+    match workers.iter_mut().find(|w| w.db == pg_sys::InvalidOid) {
+        Some(w) => {
+            *w = WorkerSlot {
+                db,
+                pid: -1,
+                latch: ptr::null_mut(),
+            };
+            true
+        }
+        None => false,
+    }
+}
+
+/// Forget a failed start so that a later allocation tries again.
+pub fn worker_start_failed(db: pg_sys::Oid) {
+    if let Ok(locked) = Locked::acquire(true) {
+        for w in locked.h().workers.iter_mut() {
+            if w.db == db && w.pid == -1 {
+                w.pid = 0;
+            }
+        }
+    }
+}
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+unsafe fn libc_kill_alive(pid: i32) -> bool {
+    unsafe { kill(pid, 0) == 0 }
+}
+
+/// Streams of one database with their generation, for the position worker.
+pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
+    let Ok(locked) = Locked::acquire(false) else {
+        return Vec::new();
+    };
+    locked
+        .streams()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.loaded && !s.dropped && s.db == db)
+        .map(|(i, s)| (s.key, i, s.generation))
+        .collect()
+}
+
+/// Does this backend's transaction hold IDs?
+pub fn holding() -> bool {
+    unsafe { HOLDING }
+}
+
+/// After `check_stream(…, repair => true)` moved the sequence forward, the
+/// skipped values will never be handed out: nothing holds them back.
+pub fn raise_max_allocated(stream: usize, value: i64) -> Result<(), Error> {
+    let locked = Locked::acquire(true)?;
+    let s = &mut locked.streams()[stream];
+    if s.loaded && s.max_allocated < value {
+        s.max_allocated = value;
+        s.generation += 1;
+    }
+    drop(locked);
+    unsafe { pg_sys::ConditionVariableBroadcast(&mut (*HEADER).cv) };
+    Ok(())
+}

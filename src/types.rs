@@ -1,0 +1,440 @@
+//! The two token types as SQL types: a compact varlena with hand-written text
+//! and binary I/O. All logic is in `streampos_core::token`; this is glue.
+
+use std::ffi::{CStr, CString};
+
+use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
+use pgrx::datum::Datum as FcDatum;
+use pgrx::nullable::Nullable;
+use pgrx::pgrx_sql_entity_graph::metadata::{
+    ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
+};
+use pgrx::prelude::*;
+use pgrx::{FromDatum, Internal, IntoDatum};
+use streampos_core::token::{Token, TokenKind};
+
+use crate::error::{Error, OrRaise};
+
+// PostgreSQL's own hash functions (src/common/hashfn.c): stable across
+// releases, as hash indexes require. They cannot raise an error.
+extern "C-unwind" {
+    fn hash_bytes(k: *const u8, keylen: i32) -> u32;
+    fn hash_bytes_extended(k: *const u8, keylen: i32, seed: u64) -> u64;
+}
+
+/// Read a token out of a (possibly toasted or short-header) varlena datum.
+unsafe fn token_from_datum(datum: pg_sys::Datum, kind: TokenKind) -> Token {
+    unsafe {
+        let raw = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        let len = pgrx::varlena::varsize_any_exhdr(raw);
+        let data = pgrx::varlena::vardata_any(raw) as *const u8;
+        let bytes = std::slice::from_raw_parts(data, len);
+        Token::decode(kind, bytes).or_raise()
+    }
+}
+
+/// Write a token into a fresh palloc'd varlena.
+fn token_into_datum(token: &Token) -> pg_sys::Datum {
+    let len = token.encoded_len();
+    let mut bytes = Vec::with_capacity(len);
+    token.encode(&mut bytes);
+    unsafe {
+        let total = pg_sys::VARHDRSZ + bytes.len();
+        let ptr = pg_sys::palloc(total) as *mut pg_sys::varlena;
+        pgrx::varlena::set_varsize_4b(ptr, total as i32);
+        let dst = (ptr as *mut u8).add(pg_sys::VARHDRSZ);
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
+        pg_sys::Datum::from(ptr)
+    }
+}
+
+macro_rules! token_sql_type {
+    ($rust:ident, $kind:expr, $sql:literal) => {
+        #[doc = concat!("The SQL type `streampos.", $sql, "`.")]
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        pub struct $rust(pub Token);
+
+        impl FromDatum for $rust {
+            unsafe fn from_polymorphic_datum(
+                datum: pg_sys::Datum,
+                is_null: bool,
+                _typoid: pg_sys::Oid,
+            ) -> Option<Self> {
+                if is_null {
+                    None
+                } else {
+                    Some($rust(unsafe { token_from_datum(datum, $kind) }))
+                }
+            }
+        }
+
+        impl IntoDatum for $rust {
+            fn into_datum(self) -> Option<pg_sys::Datum> {
+                Some(token_into_datum(&self.0))
+            }
+            fn type_oid() -> pg_sys::Oid {
+                pgrx::wrappers::regtypein(concat!("streampos.", $sql))
+            }
+        }
+
+        unsafe impl<'fcx> ArgAbi<'fcx> for $rust {
+            unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+                let index = arg.index();
+                unsafe { arg.unbox_arg_using_from_datum() }
+                    .unwrap_or_else(|| panic!("argument {index} must not be null"))
+            }
+            unsafe fn unbox_nullable_arg(arg: Arg<'_, 'fcx>) -> Nullable<Self> {
+                unsafe { arg.unbox_arg_using_from_datum::<Self>() }.into()
+            }
+        }
+
+        unsafe impl BoxRet for $rust {
+            unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> FcDatum<'fcx> {
+                unsafe { fcinfo.return_raw_datum(token_into_datum(&self.0)) }
+            }
+        }
+
+        unsafe impl SqlTranslatable for $rust {
+            const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!($rust);
+            // Created by sql/bootstrap.sql (shell) and sql/finalize.sql.
+            const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+            const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> =
+                Ok(SqlMappingRef::literal($sql));
+            const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+                Ok(ReturnsRef::One(SqlMappingRef::literal($sql)));
+        }
+    };
+}
+
+token_sql_type!(RoomToken, TokenKind::Room, "room_stream_token");
+token_sql_type!(
+    MultiWriterToken,
+    TokenKind::MultiWriter,
+    "multi_writer_token"
+);
+
+fn parse(kind: TokenKind, input: &CStr) -> Token {
+    match input.to_str() {
+        Ok(text) => Token::parse(kind, text).or_raise(),
+        // Our syntax is ASCII, so the server encoding cannot produce a valid token
+        // that is not UTF-8; report the bytes lossily.
+        Err(_) => Error::Token(streampos_core::token::TokenError::Syntax {
+            type_name: kind.type_name(),
+            text: String::from_utf8_lossy(input.to_bytes()).into_owned(),
+            detail: "The text is not valid UTF-8.".into(),
+        })
+        .report(),
+    }
+}
+
+fn print(kind: TokenKind, token: &Token) -> CString {
+    let mut text = String::with_capacity(24);
+    token.write_text(kind, &mut text);
+    // Printed tokens are ASCII digits and punctuation: no interior NUL.
+    CString::new(text).unwrap_or_default()
+}
+
+fn receive(kind: TokenKind, mut internal: Internal) -> Token {
+    let buf = match unsafe { internal.get_mut::<pg_sys::StringInfoData>() } {
+        Some(buf) => buf,
+        None => Error::invalid("no binary data given").report(),
+    };
+    let start = buf.cursor.max(0) as usize;
+    let end = buf.len.max(0) as usize;
+    let bytes: &[u8] = if end > start {
+        unsafe { std::slice::from_raw_parts((buf.data as *const u8).add(start), end - start) }
+    } else {
+        &[]
+    };
+    let token = Token::recv(kind, bytes).or_raise();
+    buf.cursor = buf.len;
+    token
+}
+
+fn send(token: &Token) -> Vec<u8> {
+    let mut out = Vec::with_capacity(token.encoded_len() + 8);
+    token.send(&mut out);
+    out
+}
+
+fn hash32(token: &Token) -> i32 {
+    let mut bytes = Vec::with_capacity(token.encoded_len());
+    token.encode(&mut bytes);
+    unsafe { hash_bytes(bytes.as_ptr(), bytes.len() as i32) as i32 }
+}
+
+fn hash64(token: &Token, seed: i64) -> i64 {
+    let mut bytes = Vec::with_capacity(token.encoded_len());
+    token.encode(&mut bytes);
+    unsafe { hash_bytes_extended(bytes.as_ptr(), bytes.len() as i32, seed as u64) as i64 }
+}
+
+fn construct(
+    stream: i64,
+    ids: Option<Vec<Option<i32>>>,
+    positions: Option<Vec<Option<i64>>>,
+) -> Token {
+    let ids = ids.unwrap_or_default();
+    let positions = positions.unwrap_or_default();
+    if ids.len() != positions.len() {
+        Error::InvalidArgument {
+            message: "instance_ids and positions must have the same length".into(),
+            detail: Some(format!(
+                "{} instance IDs and {} positions were given.",
+                ids.len(),
+                positions.len()
+            )),
+        }
+        .report();
+    }
+    let mut pairs = Vec::with_capacity(ids.len());
+    for (id, pos) in ids.into_iter().zip(positions) {
+        match (id, pos) {
+            (Some(id), Some(pos)) => pairs.push((id, pos)),
+            _ => Error::invalid("instance_ids and positions must not contain NULL").report(),
+        }
+    }
+    Token::vector(stream, pairs).or_raise()
+}
+
+/// Functions that both token types have, generated once per type so that the
+/// SQL names are overloaded.
+macro_rules! token_functions {
+    ($module:ident, $rust:ident, $kind:expr, [$in:literal, $out:literal, $recv:literal, $send:literal,
+     $cmp:literal, $lt:literal, $le:literal, $eq:literal, $ne:literal, $ge:literal, $gt:literal,
+     $hash:literal, $hash_extended:literal]) => {
+        paste::paste! {
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $in)]
+            fn [<$module _type_in>](input: &CStr) -> $rust {
+                $rust(parse($kind, input))
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $out)]
+            fn [<$module _type_out>](token: $rust) -> CString {
+                print($kind, &token.0)
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $recv)]
+            fn [<$module _type_recv>](internal: Internal) -> $rust {
+                $rust(receive($kind, internal))
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $send)]
+            fn [<$module _type_send>](token: $rust) -> Vec<u8> {
+                send(&token.0)
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "stream_pos")]
+            fn [<$module _stream_pos>](token: $rust) -> i64 {
+                token.0.stream()
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "max_stream_pos")]
+            fn [<$module _max_stream_pos>](token: $rust) -> i64 {
+                token.0.max_stream_pos()
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "instance_pos")]
+            fn [<$module _instance_pos>](token: $rust, instance_id: i32) -> i64 {
+                token.0.instance_pos(instance_id)
+            }
+
+            #[pg_extern(stable, strict, parallel_restricted, name = "instance_pos")]
+            fn [<$module _instance_pos_by_name>](token: $rust, instance_name: &str) -> i64 {
+                let id = crate::catalog::lookup_instance_id(instance_name)
+                    .unwrap_or_else(|| Error::UnknownInstanceName(instance_name.into()).report());
+                token.0.instance_pos(id)
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "is_before_or_eq")]
+            fn [<$module _is_before_or_eq>](a: $rust, b: $rust) -> bool {
+                a.0.is_before_or_eq(&b.0)
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "persisted_after")]
+            fn [<$module _persisted_after>](token: $rust, instance_id: i32, stream_id: i64) -> bool {
+                token.0.persisted_after(instance_id, stream_id)
+            }
+
+            #[pg_extern(immutable, parallel_safe, name = "in_range")]
+            fn [<$module _in_range>](
+                low: Option<$rust>,
+                high: Option<$rust>,
+                instance_id: Option<i32>,
+                stream_id: Option<i64>,
+            ) -> Option<bool> {
+                let stream_id = stream_id?;
+                Some(streampos_core::token::in_range(
+                    low.as_ref().map(|t| &t.0),
+                    high.as_ref().map(|t| &t.0),
+                    instance_id,
+                    stream_id,
+                ))
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "advance")]
+            fn [<$module _advance>](a: $rust, b: $rust) -> $rust {
+                $rust(a.0.advance(&b.0))
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = "bound")]
+            fn [<$module _bound>](token: $rust, max_stream: i64) -> $rust {
+                $rust(token.0.bound(max_stream))
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $cmp)]
+            fn [<$module _cmp>](a: $rust, b: $rust) -> i32 {
+                a.0.cmp(&b.0) as i32
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $lt)]
+            fn [<$module _lt>](a: $rust, b: $rust) -> bool {
+                a.0 < b.0
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $le)]
+            fn [<$module _le>](a: $rust, b: $rust) -> bool {
+                a.0 <= b.0
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $eq)]
+            fn [<$module _eq>](a: $rust, b: $rust) -> bool {
+                a.0 == b.0
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $ne)]
+            fn [<$module _ne>](a: $rust, b: $rust) -> bool {
+                a.0 != b.0
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $ge)]
+            fn [<$module _ge>](a: $rust, b: $rust) -> bool {
+                a.0 >= b.0
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $gt)]
+            fn [<$module _gt>](a: $rust, b: $rust) -> bool {
+                a.0 > b.0
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $hash)]
+            fn [<$module _hash>](token: $rust) -> i32 {
+                hash32(&token.0)
+            }
+
+            #[pg_extern(immutable, strict, parallel_safe, name = $hash_extended)]
+            fn [<$module _hash_extended>](token: $rust, seed: i64) -> i64 {
+                hash64(&token.0, seed)
+            }
+        }
+    };
+}
+
+token_functions!(
+    room_functions,
+    RoomToken,
+    TokenKind::Room,
+    [
+        "room_stream_token_in",
+        "room_stream_token_out",
+        "room_stream_token_recv",
+        "room_stream_token_send",
+        "room_stream_token_cmp",
+        "room_stream_token_lt",
+        "room_stream_token_le",
+        "room_stream_token_eq",
+        "room_stream_token_ne",
+        "room_stream_token_ge",
+        "room_stream_token_gt",
+        "room_stream_token_hash",
+        "room_stream_token_hash_extended"
+    ]
+);
+token_functions!(
+    multi_writer_functions,
+    MultiWriterToken,
+    TokenKind::MultiWriter,
+    [
+        "multi_writer_token_in",
+        "multi_writer_token_out",
+        "multi_writer_token_recv",
+        "multi_writer_token_send",
+        "multi_writer_token_cmp",
+        "multi_writer_token_lt",
+        "multi_writer_token_le",
+        "multi_writer_token_eq",
+        "multi_writer_token_ne",
+        "multi_writer_token_ge",
+        "multi_writer_token_gt",
+        "multi_writer_token_hash",
+        "multi_writer_token_hash_extended"
+    ]
+);
+
+#[pg_extern(immutable, strict, parallel_safe)]
+fn topological(token: RoomToken) -> Option<i64> {
+    token.0.topological()
+}
+
+#[pg_extern(immutable, parallel_safe, name = "in_range")]
+fn in_range_room(
+    low: Option<RoomToken>,
+    high: Option<RoomToken>,
+    instance_id: Option<i32>,
+    topological: Option<i64>,
+    stream_id: Option<i64>,
+) -> Option<bool> {
+    let (topological, stream_id) = (topological?, stream_id?);
+    Some(streampos_core::token::in_range_room(
+        low.as_ref().map(|t| &t.0),
+        high.as_ref().map(|t| &t.0),
+        instance_id,
+        topological,
+        stream_id,
+    ))
+}
+
+#[pg_extern(immutable, parallel_safe)]
+fn make_room_token(
+    stream: i64,
+    instance_ids: default!(Option<Vec<Option<i32>>>, "NULL"),
+    positions: default!(Option<Vec<Option<i64>>>, "NULL"),
+) -> RoomToken {
+    RoomToken(construct(stream, instance_ids, positions))
+}
+
+#[pg_extern(immutable, strict, parallel_safe)]
+fn make_historical_token(topological: i64, stream: i64) -> RoomToken {
+    RoomToken(Token::historical(topological, stream))
+}
+
+#[pg_extern(immutable, parallel_safe)]
+fn make_multi_writer_token(
+    stream: i64,
+    instance_ids: default!(Option<Vec<Option<i32>>>, "NULL"),
+    positions: default!(Option<Vec<Option<i64>>>, "NULL"),
+) -> MultiWriterToken {
+    MultiWriterToken(construct(stream, instance_ids, positions))
+}
+
+#[pg_extern(immutable, strict, parallel_safe)]
+fn room_to_multi_writer_token(token: RoomToken) -> MultiWriterToken {
+    if let Some(topological) = token.0.topological() {
+        Error::InvalidArgument {
+            message: format!(
+                "cannot cast historical token \"t{}-{}\" to multi_writer_token",
+                topological,
+                token.0.stream()
+            ),
+            detail: Some("Only live room tokens (s… or m…) have a multi-writer form.".into()),
+        }
+        .report();
+    }
+    MultiWriterToken(token.0)
+}
+
+#[pg_extern(immutable, strict, parallel_safe)]
+fn multi_writer_to_room_token(token: MultiWriterToken) -> RoomToken {
+    RoomToken(token.0)
+}

@@ -1,0 +1,123 @@
+//! The position worker: one background worker per database that uses
+//! streampos, writing `streampos.stream_positions` a few times a second and
+//! at shutdown. Writers never touch that table, so their commits take no row
+//! lock for it; the worker's rows never run ahead of the truth, because it
+//! computes them from commits its own snapshot already sees.
+
+use std::time::Duration;
+
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::prelude::*;
+use pgrx::IntoDatum;
+
+use crate::{catalog, guc, registry};
+
+/// Start this database's worker unless it runs (cheap: one shared lock when
+/// it does).
+pub fn ensure_running() {
+    let db = unsafe { pg_sys::MyDatabaseId };
+    if !registry::worker_needed(db) {
+        return;
+    }
+    let started = BackgroundWorkerBuilder::new("streampos position worker")
+        .set_type("streampos position worker")
+        .set_library("streampos")
+        .set_function("streampos_position_worker")
+        .set_argument(db.into_datum())
+        .enable_spi_access()
+        .set_restart_time(Some(Duration::from_secs(1)))
+        .load_dynamic();
+    if started.is_err() {
+        registry::worker_start_failed(db);
+        ereport!(
+            WARNING,
+            PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "could not start the streampos position worker",
+            "Writer positions are not stored until it starts; raise max_worker_processes."
+        );
+    }
+}
+
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
+    let db = pg_sys::Oid::from(arg.value() as u32);
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
+    if !registry::claim_worker_slot(db).unwrap_or(false) {
+        // Another worker serves this database.
+        return;
+    }
+    let mut written: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
+    loop {
+        let interval = Duration::from_millis(guc::POSITION_INTERVAL_MS.get().max(10) as u64);
+        let running = BackgroundWorker::wait_latch(Some(interval));
+        let pass = std::panic::AssertUnwindSafe(&mut written);
+        let keep_going = BackgroundWorker::transaction(move || {
+            let pass = pass;
+            store_positions(pass.0)
+        });
+        if !running || !keep_going || BackgroundWorker::sigterm_received() {
+            break;
+        }
+    }
+    registry::release_worker_slot(db);
+}
+
+/// One pass: prune the finished ring, then store the positions of streams
+/// that moved. Returns false when the extension is gone from the database.
+fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
+    let present: Option<bool> =
+        Spi::get_one("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'streampos'")
+            .unwrap_or(None);
+    if present.is_none() {
+        return false;
+    }
+    let _ = registry::prune();
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let moved: Vec<(i32, u64)> = registry::streams_of(db)
+        .into_iter()
+        .filter(|(key, _, generation)| written.get(key) != Some(generation))
+        .map(|(key, _, generation)| (key, generation))
+        .collect();
+    if moved.is_empty() {
+        return true;
+    }
+    let streams = catalog::streams_by_key();
+    for (key, generation) in moved {
+        let Some(meta) = streams.get(&key) else {
+            written.insert(key, generation);
+            continue;
+        };
+        // The same positions a reader in this snapshot gets.
+        let rows: Vec<(String, String, i64)> = Spi::connect(|client| {
+            client
+                .select(
+                    "SELECT $1::text, instance_name, stream_id FROM streampos.writer_positions($1)",
+                    None,
+                    &[meta.name.as_str().into()],
+                )
+                .map(|table| {
+                    table
+                        .filter_map(|row| {
+                            let name = row.get::<String>(2).ok().flatten()?;
+                            let id = row.get::<i64>(3).ok().flatten()?;
+                            Some((meta.name.clone(), name, id))
+                        })
+                        .collect()
+                })
+        })
+        .unwrap_or_default();
+        for (stream, instance, id) in rows {
+            catalog::run(
+                "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
+                 VALUES ($1, $2, $3) ON CONFLICT (stream_name, instance_name) DO UPDATE \
+                 SET stream_id = EXCLUDED.stream_id \
+                 WHERE abs(EXCLUDED.stream_id) > abs(stream_positions.stream_id)",
+                &[stream.into(), instance.into(), id.into()],
+            );
+        }
+        written.insert(key, generation);
+    }
+    true
+}

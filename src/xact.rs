@@ -1,0 +1,34 @@
+//! Transaction callbacks: IDs finish when their transaction ends.
+
+use pgrx::pg_sys;
+use pgrx::pg_sys::XactEvent;
+
+use crate::error::Error;
+use crate::{catalog, registry};
+
+pub fn register_callbacks() {
+    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+}
+
+/// Commit runs after the commit is visible in the ProcArray, so clearing the
+/// entries there cannot expose an unfinished ID. Nothing on the commit and
+/// abort paths raises an ERROR: after commit that would be a PANIC.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    match event {
+        XactEvent::XACT_EVENT_COMMIT => {
+            registry::end_transaction(true);
+            catalog::end_transaction(true);
+        }
+        XactEvent::XACT_EVENT_ABORT => {
+            registry::end_transaction(false);
+            catalog::end_transaction(false);
+        }
+        XactEvent::XACT_EVENT_PRE_PREPARE => {
+            if registry::holding() {
+                Error::Prepare.report();
+            }
+        }
+        _ => {}
+    }
+}
