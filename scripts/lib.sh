@@ -32,7 +32,9 @@ cluster_start() {
             for line in "$@"; do echo "$line"; done
         } >>"$data/postgresql.conf"
     fi
-    as_postgres "$PG_BIN/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null
+    # No Rust backtraces in error details: messages stay stable for tests.
+    as_postgres env RUST_LIB_BACKTRACE=0 RUST_BACKTRACE=0 \
+        "$PG_BIN/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null
 }
 
 cluster_stop() {
@@ -40,7 +42,13 @@ cluster_stop() {
     as_postgres "$PG_BIN/pg_ctl" -D "$data" -m "$mode" -w -t 60 stop >/dev/null 2>&1 || true
 }
 
+# install_extension [--release]: build and install into the system PostgreSQL.
+# Tests use the debug build (its dependencies are shared with cargo pgrx
+# test); the demo and the benchmarks use --release.
 install_extension() {
-    # Release build: what users run and what the benchmarks measure.
-    cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null
+    # Unlink first: overwriting the library in place would crash running
+    # servers that have it mapped.
+    rm -f "$("$PG_CONFIG" --pkglibdir)/streampos.so"
+    cargo pgrx install "$@" --pg-config "$PG_CONFIG" 2>&1 | grep -vE "^\s*(Compiling|Checking)" || true
+    test -f "$("$PG_CONFIG" --pkglibdir)/streampos.so"
 }

@@ -245,3 +245,7 @@ COMMENT ON FUNCTION current_token(text) IS 'The frontier plus every writer ahead
 COMMENT ON FUNCTION current_room_token(text) IS 'current_token as a room token';
 COMMENT ON FUNCTION in_flight(text) IS 'Who is holding the frontier back, and since when';
 COMMENT ON FUNCTION check_stream(text, boolean) IS 'Check the sequence against tables and stored positions; repair moves it forward';
+COMMENT ON FUNCTION wait_for(text, bigint, integer) IS
+    'Sleep until the frontier reaches stream_id or the timeout passes; returns the frontier';
+COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer) IS
+    'Replication feed: rows of the stream''s tables newer than since, with the token to continue from';

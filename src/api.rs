@@ -298,7 +298,7 @@ fn instance_name(instance_id: i32) -> String {
 
 /// The registry slot of a stream, loading its maximum allocated ID from the
 /// sequence the first time after start-up.
-fn registry_index(meta: &StreamMeta) -> usize {
+pub(crate) fn registry_index(meta: &StreamMeta) -> usize {
     registry::require_loaded().or_raise();
     let (index, loaded) = registry::stream_index(meta.key).or_raise();
     if !loaded {
@@ -375,7 +375,7 @@ fn view(meta: &StreamMeta) -> StreamView {
 /// The writers a token or `writer_positions` reports: the configured ones,
 /// or for an open stream every instance seen writing since start-up, holding
 /// IDs now, or with a stored position.
-fn writer_ids(meta: &StreamMeta, v: &StreamView) -> Vec<i32> {
+pub(crate) fn writer_ids(meta: &StreamMeta, v: &StreamView) -> Vec<i32> {
     let mut ids: Vec<i32> = match &meta.writers {
         Some(names) => names
             .iter()

@@ -9,6 +9,7 @@ use pgrx::prelude::*;
 mod api;
 mod catalog;
 mod error;
+mod follow;
 mod guc;
 mod registry;
 mod types;
@@ -33,9 +34,46 @@ pub extern "C-unwind" fn _PG_init() {
     xact::register_callbacks();
 }
 
+/// Tests that need a backend but not concurrency (those are in tests/, driven
+/// from Python with real sessions).
 #[cfg(any(test, feature = "pg_test"))]
 #[pg_schema]
-mod tests {}
+mod tests {
+    use pgrx::prelude::*;
+
+    #[pg_test]
+    fn token_text_round_trip_is_canonical() {
+        let out =
+            Spi::get_one::<String>("SELECT 'm56~3.59~2.58'::streampos.room_stream_token::text");
+        assert_eq!(out, Ok(Some("m56~2.58~3.59".to_string())));
+    }
+
+    #[pg_test(error = "invalid input syntax for type multi_writer_token: \"s5\"")]
+    fn multi_writer_token_rejects_live_room_syntax() {
+        let _ = Spi::get_one::<String>("SELECT 's5'::streampos.multi_writer_token::text");
+    }
+
+    #[pg_test]
+    fn own_allocation_holds_the_frontier_back() {
+        Spi::run("SELECT streampos.create_stream('pg_test_stream')").unwrap();
+        let id = Spi::get_one::<i64>("SELECT streampos.next_id('pg_test_stream', 'w1')");
+        assert_eq!(id, Ok(Some(1)));
+        // The allocating transaction is this one: still in flight.
+        let frontier = Spi::get_one::<i64>("SELECT streampos.frontier('pg_test_stream')");
+        assert_eq!(frontier, Ok(Some(0)));
+        let held =
+            Spi::get_one::<i64>("SELECT count(*) FROM streampos.in_flight('pg_test_stream')");
+        assert_eq!(held, Ok(Some(1)));
+        let token =
+            Spi::get_one::<String>("SELECT streampos.current_room_token('pg_test_stream')::text");
+        assert_eq!(token, Ok(Some("s0".to_string())));
+    }
+
+    #[pg_test(error = "stream \"missing\" does not exist")]
+    fn unknown_stream_is_an_error() {
+        let _ = Spi::get_one::<i64>("SELECT streampos.frontier('missing')");
+    }
+}
 
 /// This module is required by `cargo pgrx test` invocations.
 #[cfg(test)]

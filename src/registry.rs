@@ -31,8 +31,6 @@ pub const MAX_DATABASES: usize = 64;
 #[repr(C)]
 struct Header {
     lock: *mut pg_sys::LWLock,
-    /// Broadcast whenever a transaction that held IDs ends.
-    cv: pg_sys::ConditionVariable,
     n_streams: u32,
     ring_cap: u32,
     n_slots: u32,
@@ -72,6 +70,8 @@ struct StreamState {
     max_allocated: i64,
     /// Bumped every time an allocation of this stream finishes.
     generation: u64,
+    /// Broadcast when the generation moves; followers sleep on it.
+    cv: pg_sys::ConditionVariable,
     summary: Summary,
     n_seen: u32,
     seen: [i32; SEEN_WRITERS],
@@ -211,7 +211,10 @@ unsafe extern "C-unwind" fn shmem_startup() {
             ptr::write_bytes(base, 0, l.total);
             let header = base as *mut Header;
             (*header).lock = &mut (*pg_sys::GetNamedLWLockTranche(TRANCHE.as_ptr())).lock;
-            pg_sys::ConditionVariableInit(&mut (*header).cv);
+            let streams = base.add(l.streams) as *mut StreamState;
+            for i in 0..n_streams {
+                pg_sys::ConditionVariableInit(&mut (*streams.add(i)).cv);
+            }
             (*header).n_streams = n_streams as u32;
             (*header).ring_cap = ring_cap as u32;
             (*header).n_slots = n_slots as u32;
@@ -373,7 +376,10 @@ pub fn stream_index(key: i32) -> Result<(usize, bool), Error> {
         });
     };
     let s = &mut locked.streams()[i];
+    // Keep the condition variable: a follower may still be registered on it.
+    let cv = s.cv;
     *s = unsafe { std::mem::zeroed() };
+    s.cv = cv;
     s.in_use = true;
     s.db = db;
     s.key = key;
@@ -530,11 +536,23 @@ pub fn end_transaction(committed: bool) {
         let locked = Locked::acquire_raw(HEADER, true);
         let h = locked.h();
         let ring_cap = h.ring_cap as usize;
+        // Streams to wake, without allocating.
+        let mut woken = [usize::MAX; 16];
+        let mut n_woken = 0;
+        let mut wake_all = false;
         for a in locked.slot(procno as usize).iter_mut() {
             if a.stream < 0 {
                 continue;
             }
             let stream = a.stream as usize;
+            if !woken[..n_woken].contains(&stream) {
+                if n_woken < woken.len() {
+                    woken[n_woken] = stream;
+                    n_woken += 1;
+                } else {
+                    wake_all = true;
+                }
+            }
             if committed {
                 let used = h.ring_used as usize;
                 if used < ring_cap {
@@ -554,8 +572,20 @@ pub fn end_transaction(committed: bool) {
             *a = FREE_ACTIVE;
         }
         locked.slot_headers()[procno as usize].used = 0;
+        let streams = locked.streams().as_mut_ptr();
+        let n_streams = h.n_streams as usize;
         drop(locked);
-        pg_sys::ConditionVariableBroadcast(&mut (*HEADER).cv);
+        // Broadcasting outside the lock; a condition variable with no
+        // sleepers costs one spinlock.
+        if wake_all {
+            for i in 0..n_streams {
+                pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+            }
+        } else {
+            for &i in &woken[..n_woken] {
+                pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+            }
+        }
     }
 }
 
@@ -650,7 +680,6 @@ pub struct StreamView {
     pub max_allocated: i64,
     pub holders: Vec<Holder>,
     pub seen: Vec<i32>,
-    pub generation: u64,
 }
 
 /// The snapshot this statement reads with.
@@ -701,7 +730,6 @@ pub fn view(stream: usize, snapshot: pg_sys::Snapshot) -> Result<StreamView, Err
         max_allocated: s.max_allocated,
         holders,
         seen: s.seen[..s.n_seen as usize].to_vec(),
-        generation: s.generation,
     })
 }
 
@@ -764,8 +792,10 @@ pub fn bump_catalog_generation() {
 /// Sleep until the stream's generation moves past `seen`, or `timeout_ms`
 /// passes. Returns false on timeout.
 pub fn wait_for_change(stream: usize, seen: u64, timeout_ms: i64) -> Result<bool, Error> {
-    require_loaded()?;
-    let cv = unsafe { &mut (*HEADER).cv as *mut pg_sys::ConditionVariable };
+    let cv = {
+        let locked = Locked::acquire(false)?;
+        &mut locked.streams()[stream].cv as *mut pg_sys::ConditionVariable
+    };
     let deadline =
         std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
     unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
@@ -897,7 +927,8 @@ pub fn raise_max_allocated(stream: usize, value: i64) -> Result<(), Error> {
         s.max_allocated = value;
         s.generation += 1;
     }
+    let cv = &mut s.cv as *mut pg_sys::ConditionVariable;
     drop(locked);
-    unsafe { pg_sys::ConditionVariableBroadcast(&mut (*HEADER).cv) };
+    unsafe { pg_sys::ConditionVariableBroadcast(cv) };
     Ok(())
 }
