@@ -153,9 +153,11 @@ fn fetch_rows(
         since.to_text(TokenKind::MultiWriter).into(),
         until.to_text(TokenKind::MultiWriter).into(),
     ];
-    let result = Spi::connect(|client| -> pgrx::spi::SpiResult<Vec<(i64, Value)>> {
+    // A read-write SPI call takes a fresh snapshot (under READ COMMITTED),
+    // taken after the token's: it sees every row the token covers.
+    let result = Spi::connect_mut(|client| -> pgrx::spi::SpiResult<Vec<(i64, Value)>> {
         let mut rows = Vec::new();
-        for row in client.select(query.as_str(), None, &args)? {
+        for row in client.update(query.as_str(), None, &args)? {
             let id = row.get::<i64>(1)?.unwrap_or_default();
             let text = row.get::<String>(2)?.unwrap_or_default();
             rows.push((id, serde_json::from_str(&text).unwrap_or(Value::Null)));

@@ -236,6 +236,11 @@ struct Locked {
     header: *mut Header,
 }
 
+// The accessors hand out `&mut` views of shared memory from `&self`: the
+// memory belongs to no Rust owner, the LWLock this guard holds is what makes
+// access exclusive, each accessor covers a disjoint region, and no caller
+// keeps two views of the same region alive at once.
+#[allow(clippy::mut_from_ref)]
 impl Locked {
     fn acquire(exclusive: bool) -> Result<Locked, Error> {
         let header = unsafe { HEADER };

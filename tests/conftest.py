@@ -1,0 +1,255 @@
+"""Fixtures for the concurrent-session tests of streampos.
+
+The runner (scripts/test) starts a cluster with streampos preloaded and sets
+STREAMPOS_PGHOST, STREAMPOS_PGPORT and STREAMPOS_PGDATA. Every test gets
+autocommit connections to the database ``streampos_pytest`` (created once per
+session) and a stream name of its own, so tests never see each other's state.
+"""
+
+import os
+import re
+import subprocess
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+PGHOST = os.environ.get("STREAMPOS_PGHOST", "127.0.0.1")
+PGPORT = int(os.environ.get("STREAMPOS_PGPORT", "54330"))
+PGDATA = os.environ.get("STREAMPOS_PGDATA")
+PGUSER = os.environ.get("STREAMPOS_PGUSER", "postgres")
+PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
+DBNAME = "streampos_pytest"
+
+# SPEC: stream_positions is "caught up within a second of a commit"; in-flight
+# IDs of a terminated or disconnected session are released when its backend
+# exits, which takes well under that.
+CATCH_UP_SECONDS = 1.0
+
+
+def _conninfo(dbname):
+    return dict(host=PGHOST, port=PGPORT, user=PGUSER, dbname=dbname, connect_timeout=10)
+
+
+def connect_raw(dbname=DBNAME, **kwargs):
+    """An autocommit connection (not tracked: the caller closes it)."""
+    params = _conninfo(dbname)
+    params.update(kwargs)
+    return psycopg.connect(autocommit=True, **params)
+
+
+# --------------------------------------------------------------- queries
+
+
+def one(conn, sql, params=None):
+    """First column of the single row a statement returns."""
+    row = conn.execute(sql, params).fetchone()
+    assert row is not None, f"no row from {sql!r}"
+    return row[0]
+
+
+def rows(conn, sql, params=None):
+    return conn.execute(sql, params).fetchall()
+
+
+def expect_error(conn, sql, params=None, sqlstate=None):
+    """Run a statement that must fail; return the psycopg error.
+
+    Asserts the SQLSTATE when one is given."""
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute(sql, params)
+    err = info.value
+    if sqlstate is not None:
+        assert err.diag.sqlstate == sqlstate, (
+            f"{sql!r}: expected SQLSTATE {sqlstate}, got {err.diag.sqlstate}: {err}"
+        )
+    return err
+
+
+def create_stream(conn, stream, backwards=False, writers=None):
+    """streampos.create_stream(); returns the sequence's name (regclass text)."""
+    return one(
+        conn,
+        "SELECT streampos.create_stream(%s, backwards => %s, writers => %s::text[])::text",
+        (stream, backwards, writers),
+    )
+
+
+def sequence_value(conn, seq):
+    """The sequence's last handed-out value (last_value, or one less when
+    is_called is false)."""
+    last, called = conn.execute(f"SELECT last_value, is_called FROM {seq}").fetchone()
+    return last if called else last - 1
+
+
+def in_flight(conn, stream):
+    return rows(
+        conn,
+        "SELECT instance_name, pid, xid::text, min_id, max_id, ids, since "
+        "FROM streampos.in_flight(%s) ORDER BY min_id",
+        (stream,),
+    )
+
+
+def stored_positions(conn, stream):
+    """{instance_name: stream_id} from streampos.stream_positions."""
+    return dict(
+        rows(
+            conn,
+            "SELECT instance_name, stream_id FROM streampos.stream_positions "
+            "WHERE stream_name = %s",
+            (stream,),
+        )
+    )
+
+
+def backend_pid(conn):
+    return one(conn, "SELECT pg_backend_pid()")
+
+
+# --------------------------------------------------------------- waiting
+
+
+def wait_until(predicate, timeout=5.0, interval=0.02, message="condition"):
+    """Poll ``predicate`` until it returns a truthy value, at most ``timeout``
+    seconds; returns that value or fails the test with the last value seen."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = predicate()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}; last value: {last!r}")
+        time.sleep(interval)
+
+
+# --------------------------------------------------------------- server control
+
+
+def _as_postgres(args):
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--"] + args
+    return args
+
+
+def pg_ctl(*args, timeout=120):
+    if not PGDATA:
+        pytest.skip("STREAMPOS_PGDATA is not set: cannot control the server")
+    env = dict(os.environ, RUST_BACKTRACE="0", RUST_LIB_BACKTRACE="0")
+    cmd = _as_postgres([os.path.join(PG_BIN, "pg_ctl"), "-D", PGDATA, *args])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed: {proc.stdout}{proc.stderr}"
+    return proc
+
+
+def stop_server(mode="immediate"):
+    pg_ctl("-m", mode, "-w", "-t", "60", "stop")
+
+
+def start_server(options=None):
+    args = ["-l", os.path.join(PGDATA or "", "server.log"), "-w", "-t", "60"]
+    if options:
+        args += ["-o", options]
+    pg_ctl(*args, "start")
+    wait_for_server()
+
+
+def restart_server(mode="immediate", options=None):
+    """Stop the server (``-m immediate`` simulates a crash) and start it again."""
+    stop_server(mode)
+    start_server(options)
+
+
+def wait_for_server(timeout=60.0):
+    """Wait until the test database accepts connections (e.g. after a crash
+    restart triggered by a killed backend)."""
+
+    def ready():
+        try:
+            with connect_raw() as c:
+                return one(c, "SELECT NOT pg_is_in_recovery()")
+        except psycopg.OperationalError:
+            return False
+
+    wait_until(ready, timeout=timeout, interval=0.1, message="the server to accept connections")
+
+
+# --------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def database():
+    """(Re)create the test database with the extension; start the position
+    worker early with one allocation, so tests measure catch-up, not start-up."""
+    with connect_raw("postgres") as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {DBNAME} WITH (FORCE)")
+        admin.execute(f"CREATE DATABASE {DBNAME}")
+    with connect_raw() as c:
+        c.execute("CREATE EXTENSION streampos")
+        create_stream(c, "warmup")
+        c.execute("SELECT streampos.next_id('warmup', 'warmup')")
+        wait_until(
+            lambda: stored_positions(c, "warmup").get("warmup") == 1,
+            timeout=10,
+            message="the position worker to start",
+        )
+    return DBNAME
+
+
+class Connections:
+    """Connection factory: every connection it makes is closed at teardown."""
+
+    def __init__(self):
+        self._conns = []
+
+    def __call__(self, **kwargs):
+        conn = connect_raw(**kwargs)
+        self._conns.append(conn)
+        return conn
+
+    def close_all(self):
+        for conn in self._conns:
+            try:
+                conn.close()
+            except Exception:
+                pass
+        self._conns.clear()
+
+
+@pytest.fixture
+def connect(database):
+    """``connect()`` returns a new autocommit session to the test database."""
+    factory = Connections()
+    yield factory
+    factory.close_all()
+
+
+@pytest.fixture
+def db(connect):
+    """An observer session, for reading from outside the writers' transactions."""
+    return connect()
+
+
+_counter = 0
+
+
+@pytest.fixture
+def stream(request):
+    """A stream name unique to this test (not yet created)."""
+    global _counter
+    _counter += 1
+    base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower()).strip("_")
+    base = base.removeprefix("test_")[:28]
+    return f"{base}_{_counter}_{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def pool():
+    """Threads, for calls that must block while the test goes on."""
+    executor = ThreadPoolExecutor(max_workers=16)
+    yield executor
+    # Every blocking call in these tests is bounded; do not hang on a failure.
+    executor.shutdown(wait=False, cancel_futures=True)
