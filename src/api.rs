@@ -348,7 +348,7 @@ fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     }
     let first = ids.first().copied().unwrap_or(0);
     let last = ids.last().copied().unwrap_or(0);
-    registry::finish_allocation(index, entry, instance, first, last).or_raise();
+    registry::finish_allocation(index, entry, instance, first, last, n as i64).or_raise();
     if meta.backwards {
         ids.iter_mut().for_each(|id| *id = -*id);
     }

@@ -495,33 +495,34 @@ pub fn finish_allocation(
     instance: i32,
     first: i64,
     last: i64,
+    count: i64,
 ) -> Result<(), Error> {
     let slot_index = my_slot_index()?;
     let locked = Locked::acquire(true)?;
-    let s = &mut locked.streams()[stream];
-    if first <= s.max_allocated {
-        // The sequence went backwards (setval, or a cache > 1): IDs could
-        // repeat or a reader could already have reported past this one.
+    let a = &mut locked.slot(slot_index)[entry];
+    if a.pending && first < a.min_id {
+        // The sequence went backwards (setval, or a cache > 1): a reader may
+        // already have reported a frontier past this ID.
         return Err(Error::InvalidState {
-            message: "the stream's sequence returned an ID that was already allocated".into(),
+            message: "the stream's sequence returned an ID below one already allocated".into(),
             detail: Some(format!(
                 "The sequence returned {first}, but {} was allocated before. Was it reset with setval()?",
-                s.max_allocated
+                a.min_id - 1
             )),
         });
     }
-    s.max_allocated = last;
-    if !s.seen[..s.n_seen as usize].contains(&instance) && (s.n_seen as usize) < SEEN_WRITERS {
-        s.seen[s.n_seen as usize] = instance;
-        s.n_seen += 1;
-    }
-    let a = &mut locked.slot(slot_index)[entry];
     if a.pending {
         a.min_id = first;
         a.pending = false;
     }
     a.max_id = a.max_id.max(last);
-    a.count += last - first + 1;
+    a.count += count;
+    let s = &mut locked.streams()[stream];
+    s.max_allocated = s.max_allocated.max(last);
+    if !s.seen[..s.n_seen as usize].contains(&instance) && (s.n_seen as usize) < SEEN_WRITERS {
+        s.seen[s.n_seen as usize] = instance;
+        s.n_seen += 1;
+    }
     Ok(())
 }
 

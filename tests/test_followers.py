@@ -1,0 +1,233 @@
+"""Followers: streampos.wait_for() and the streampos.updates() replication feed,
+against real concurrent sessions."""
+
+import random
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import create_stream, expect_error, one
+
+WRITERS = ["w1", "w2", "w3", "w4"]
+
+
+def parse_updates(answer):
+    """{"token", "limited", "data"} -> (token, limited, {table: [row, ...]})."""
+    data = answer["data"]
+    tables = {}
+    i = 0
+    while i < len(data):
+        header = data[i]
+        name, _position, row_count, column_count = header[:4]
+        assert len(header) == 4 + column_count, header
+        tables[name] = data[i + 1 : i + 1 + row_count]
+        i += 1 + row_count
+    return answer["token"], answer["limited"], tables
+
+
+def setup_feed(conn, stream):
+    """A stream spanning two tables, like a homeserver's events stream."""
+    create_stream(conn, stream, writers=WRITERS)
+    conn.execute(f"CREATE TABLE {stream}_ev (id bigint PRIMARY KEY, instance_name text, body text)")
+    conn.execute(f"CREATE TABLE {stream}_delta (stream_id bigint, instance_name text, note text)")
+    conn.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_ev"))
+    conn.execute(
+        "SELECT streampos.add_table(%s, %s, 'stream_id', 'instance_name')", (stream, f"{stream}_delta")
+    )
+
+
+def test_follower_gets_every_committed_row_once_in_writer_order(connect, stream):
+    """Four writers commit and abort at random while a follower loops on
+    updates() with a small max_rows: it ends with exactly the committed rows,
+    each once, and each writer's rows in ID order."""
+    admin = connect()
+    setup_feed(admin, stream)
+    committed = []  # (table, id, writer)
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors = []
+
+    def writer(name, seed):
+        rng = random.Random(seed)
+        conn = connect()
+        try:
+            while not stop.is_set():
+                n = rng.randint(1, 3)
+                conn.execute("BEGIN")
+                ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, name, n))
+                rows = []
+                for i in ids:
+                    conn.execute(f"INSERT INTO {stream}_ev VALUES (%s, %s, 'x')", (i, name))
+                    rows.append((f"{stream}_ev", i, name))
+                    if rng.random() < 0.5:
+                        # Several delta rows can share one stream ID.
+                        for _ in range(rng.randint(1, 3)):
+                            conn.execute(f"INSERT INTO {stream}_delta VALUES (%s, %s, 'd')", (i, name))
+                            rows.append((f"{stream}_delta", i, name))
+                time.sleep(rng.random() * 0.004)
+                if rng.random() < 0.15:
+                    conn.execute("ROLLBACK")
+                else:
+                    conn.execute("COMMIT")
+                    with lock:
+                        committed.extend(rows)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            stop.set()
+
+    received = []  # (table, id, writer) in arrival order
+    follower_done = threading.Event()
+    writers_finished = threading.Event()
+
+    def follower():
+        conn = connect()
+        token = "0"
+        try:
+            while True:
+                writers_done = writers_finished.is_set()
+                answer = one(
+                    conn, "SELECT streampos.updates(%s, %s, 7, 200)", (stream, token)
+                )
+                token, limited, tables = parse_updates(answer)
+                for table, rows in tables.items():
+                    for row in rows:
+                        received.append((table, row[0], row[1]))
+                if writers_done and not limited and not any(tables.values()):
+                    break
+        except Exception as e:
+            errors.append(e)
+        finally:
+            follower_done.set()
+
+    threads = [threading.Thread(target=writer, args=(w, i)) for i, w in enumerate(WRITERS)]
+    follow = threading.Thread(target=follower)
+    for t in threads:
+        t.start()
+    follow.start()
+    time.sleep(4)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    writers_finished.set()
+    follow.join(60)
+    assert follower_done.is_set(), "follower did not finish"
+    assert not errors, errors
+
+    assert len(committed) > 50, "the load produced too little to prove anything"
+    # As multisets: several delta rows may share (table, id, writer).
+    assert sorted(received) == sorted(committed)
+    for w in WRITERS:
+        ids = [i for table, i, writer in received if writer == w and table.endswith("_ev")]
+        assert ids == sorted(ids), f"{w}'s rows arrived out of order"
+
+
+def test_limited_answer_continues_exactly(connect, stream):
+    """max_rows cuts at an ID boundary; the returned token continues with no
+    row skipped or repeated; one ID with more rows than max_rows comes whole."""
+    conn = connect()
+    setup_feed(conn, stream)
+    conn.execute("BEGIN")
+    for w in ["w1", "w2"]:
+        for _ in range(3):
+            i = one(conn, "SELECT streampos.next_id(%s, %s)", (stream, w))
+            conn.execute(f"INSERT INTO {stream}_ev VALUES (%s, %s, 'x')", (i, w))
+    big = one(conn, "SELECT streampos.next_id(%s, 'w3')", (stream,))
+    for _ in range(5):
+        conn.execute(f"INSERT INTO {stream}_delta VALUES (%s, 'w3', 'many')", (big,))
+    conn.execute("COMMIT")
+
+    token, seen, answers = "0", [], []
+    for _ in range(20):
+        token, limited, tables = parse_updates(one(conn, "SELECT streampos.updates(%s, %s, 2)", (stream, token)))
+        answers.append(sum(len(r) for r in tables.values()))
+        seen += [(t, row[0]) for t, rows in tables.items() for row in rows]
+        if not limited:
+            break
+    expected = [(f"{stream}_ev", i) for i in range(1, 7)] + [(f"{stream}_delta", 7)] * 5
+    assert sorted(seen) == sorted(expected)
+    assert answers[:3] == [2, 2, 2] and answers[3] == 5, answers
+    assert token == "7"
+
+
+def test_position_only_advance_returns_new_token(connect, stream):
+    """A commit that adds no rows still moves the token, so a follower never
+    asks twice for the same position."""
+    conn = connect()
+    setup_feed(conn, stream)
+    conn.execute("SELECT streampos.next_id(%s, 'w1')", (stream,))
+    token, limited, tables = parse_updates(one(conn, "SELECT streampos.updates(%s, '0')", (stream,)))
+    assert (token, limited) == ("1", False)
+    assert all(rows == [] for rows in tables.values()) and len(tables) == 2
+
+
+def test_updates_waits_for_a_commit(connect, stream, pool):
+    """With a timeout, updates() blocks until a writer moves past since."""
+    conn, writer = connect(), connect()
+    setup_feed(conn, stream)
+    future = pool.submit(lambda: one(conn, "SELECT streampos.updates(%s, '0', 10, 20000)", (stream,)))
+    time.sleep(0.3)
+    assert not future.done()
+    writer.execute("BEGIN")
+    i = one(writer, "SELECT streampos.next_id(%s, 'w2')", (stream,))
+    writer.execute(f"INSERT INTO {stream}_ev VALUES (%s, 'w2', 'late')", (i,))
+    writer.execute("COMMIT")
+    token, _, tables = parse_updates(future.result(timeout=10))
+    assert token == "1"
+    assert tables[f"{stream}_ev"] == [[1, "w2", "late"]]
+
+
+def test_wait_for_returns_after_the_satisfying_commit(connect, stream, pool):
+    """wait_for() sleeps while the frontier is below the target and returns
+    as soon as the commit that reaches it happens, long before its timeout."""
+    conn, writer, waiter = connect(), connect(), connect()
+    create_stream(conn, stream)
+    writer.execute("BEGIN")
+    assert one(writer, "SELECT streampos.next_id(%s, 'w1')", (stream,)) == 1
+    start = time.monotonic()
+    future = pool.submit(lambda: one(waiter, "SELECT streampos.wait_for(%s, 1, 20000)", (stream,)))
+    time.sleep(0.3)
+    assert not future.done(), "wait_for returned while the ID was in flight"
+    writer.execute("COMMIT")
+    assert future.result(timeout=10) == 1
+    # Returned because of the commit, not the 20 s timeout.
+    assert time.monotonic() - start < 10
+
+
+def test_wait_for_times_out_with_the_current_frontier(connect, stream):
+    conn = connect()
+    create_stream(conn, stream)
+    conn.execute("SELECT streampos.next_id(%s, 'w1')", (stream,))
+    start = time.monotonic()
+    assert one(conn, "SELECT streampos.wait_for(%s, 5, 300)", (stream,)) == 1
+    assert time.monotonic() - start >= 0.3
+    # Already reached: no wait at all.
+    assert one(conn, "SELECT streampos.wait_for(%s, 1, 60000)", (stream,)) == 1
+
+
+def test_wait_for_is_cancellable(connect, stream, pool):
+    """Query cancel and statement_timeout interrupt the sleep."""
+    conn, waiter = connect(), connect()
+    create_stream(conn, stream)
+    pid = one(waiter, "SELECT pg_backend_pid()")
+    future = pool.submit(lambda: waiter.execute("SELECT streampos.wait_for(%s, 100, 60000)", (stream,)))
+    time.sleep(0.3)
+    assert one(conn, "SELECT pg_cancel_backend(%s)", (pid,))
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        future.result(timeout=10)
+    waiter.execute("SET statement_timeout = '200ms'")
+    expect_error(waiter, "SELECT streampos.wait_for(%s, 100, 60000)", (stream,), sqlstate="57014")
+
+
+def test_wait_for_backward_stream(connect, stream, pool):
+    """Backward streams wait until the frontier reaches the (negative) ID."""
+    conn, writer = connect(), connect()
+    create_stream(conn, stream, backwards=True)
+    writer.execute("BEGIN")
+    assert one(writer, "SELECT streampos.next_id(%s, 'w1')", (stream,)) == -1
+    future = pool.submit(lambda: one(conn, "SELECT streampos.wait_for(%s, -1, 20000)", (stream,)))
+    time.sleep(0.2)
+    assert not future.done()
+    writer.execute("COMMIT")
+    assert future.result(timeout=10) == -1
