@@ -368,8 +368,38 @@ fn next_ids(stream: &str, writer: &str, n: i32) -> Vec<i64> {
 // ---------------------------------------------------------------- reading
 
 fn view(meta: &StreamMeta) -> StreamView {
+    if in_recovery() {
+        return standby_view(meta);
+    }
     let index = registry_index(meta);
     registry::view(index, registry::caller_snapshot()).or_raise()
+}
+
+pub(crate) fn in_recovery() -> bool {
+    unsafe { pg_sys::RecoveryInProgress() }
+}
+
+/// A hot standby cannot see what is in flight on the primary (and its
+/// sequences may be up to 32 ahead of what was handed out), so it answers
+/// from the durable positions, which replicate in commit order and are never
+/// ahead of the truth. Writers without a stored position read as the
+/// frontier (see writer_position).
+fn standby_view(meta: &StreamMeta) -> StreamView {
+    let stored = catalog::stored_positions(&meta.name);
+    let max_allocated = stored.iter().map(|(_, p)| *p).max().unwrap_or(0);
+    let holders = stored
+        .iter()
+        .filter(|(_, p)| *p < max_allocated)
+        .map(|(w, p)| frontier::Holder {
+            held_by: frontier::HeldBy::Writer(*w),
+            min_id: p + 1,
+        })
+        .collect();
+    StreamView {
+        max_allocated,
+        holders,
+        seen: stored.iter().map(|(w, _)| *w).collect(),
+    }
 }
 
 /// The writers a token or `writer_positions` reports: the configured ones,
@@ -420,7 +450,12 @@ fn writer_position(stream: &str, writer: &str) -> i64 {
         .report();
     }
     let v = view(&meta);
-    let position = match catalog::lookup_instance_id(writer) {
+    let id = catalog::lookup_instance_id(writer);
+    let position = match id {
+        // On a standby, only stored positions are known.
+        _ if in_recovery() && !id.is_some_and(|id| v.seen.contains(&id)) => {
+            frontier::frontier(v.max_allocated, &v.holders)
+        }
         Some(id) => frontier::writer_position(v.max_allocated, &v.holders, id),
         // An instance that never wrote holds nothing back.
         None => frontier::writer_position(v.max_allocated, &v.holders, i32::MIN),

@@ -283,6 +283,24 @@ pub fn sequence_max_allocated(meta: &StreamMeta) -> i64 {
     }
 }
 
+/// (instance id, stored position in internal numbering) for the stream.
+pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
+    spi(Spi::connect(|client| -> SpiResult<Vec<(i32, i64)>> {
+        let mut out = Vec::new();
+        for row in client.select(
+            "SELECT i.instance_id, abs(p.stream_id) FROM streampos.stream_positions p \
+             JOIN streampos.instances i USING (instance_name) WHERE p.stream_name = $1",
+            None,
+            &[stream.into()],
+        )? {
+            if let (Some(id), Some(pos)) = (row.get::<i32>(1)?, row.get::<i64>(2)?) {
+                out.push((id, pos));
+            }
+        }
+        Ok(out)
+    }))
+}
+
 /// Instance ids with a stored position for the stream.
 pub fn stored_writers(stream: &str) -> Vec<i32> {
     spi(Spi::connect(|client| -> SpiResult<Vec<i32>> {

@@ -4,13 +4,14 @@
 
 use std::time::{Duration, Instant};
 
+use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::JsonB;
 use serde_json::Value;
 use streampos_core::frontier;
 use streampos_core::token::{Token, TokenKind};
 
-use crate::api::{registry_index, writer_ids};
+use crate::api::{in_recovery, registry_index, writer_ids};
 use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
 use crate::registry;
@@ -34,6 +35,16 @@ fn follower_snapshot() -> pg_sys::Snapshot {
 /// Re-evaluate `ready` each time the stream's generation moves, until it
 /// returns Some or the timeout passes (then the last evaluation's value).
 fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
+    if in_recovery() {
+        // Commits arrive by WAL replay, which broadcasts nothing.
+        ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "cannot wait for stream positions on a hot standby",
+            "streampos",
+        )
+        .set_hint("Poll streampos.stream_positions, or follow the primary.")
+        .report(PgLogLevel::ERROR);
+    }
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
     loop {
         let generation = registry::generation(index).or_raise();

@@ -117,6 +117,13 @@ fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
                 &[stream.into(), instance.into(), id.into()],
             );
         }
+        // Followers that prefer LISTEN to long-polling: one notification per
+        // advance, from here, never from the writers' commits (NOTIFY takes a
+        // lock that would serialise them).
+        catalog::run(
+            "SELECT pg_catalog.pg_notify('streampos', $1 || ' ' || streampos.current_token($1)::text)",
+            &[meta.name.as_str().into()],
+        );
         written.insert(key, generation);
     }
     true
