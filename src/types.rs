@@ -180,7 +180,7 @@ fn construct(
         Error::InvalidArgument {
             message: "instance_ids and positions must have the same length".into(),
             detail: Some(format!(
-                "{} instance IDs and {} positions were given.",
+                "instance_ids has {} elements and positions has {}.",
                 ids.len(),
                 positions.len()
             )),
@@ -397,11 +397,12 @@ fn in_range_room(
 
 #[pg_extern(immutable, parallel_safe)]
 fn make_room_token(
-    stream: i64,
+    stream: Option<i64>,
     instance_ids: default!(Option<Vec<Option<i32>>>, "NULL"),
     positions: default!(Option<Vec<Option<i64>>>, "NULL"),
-) -> RoomToken {
-    RoomToken(construct(stream, instance_ids, positions))
+) -> Option<RoomToken> {
+    // Not STRICT, so that the arrays may be NULL; a NULL minimum is a NULL token.
+    Some(RoomToken(construct(stream?, instance_ids, positions)))
 }
 
 #[pg_extern(immutable, strict, parallel_safe)]
@@ -411,11 +412,16 @@ fn make_historical_token(topological: i64, stream: i64) -> RoomToken {
 
 #[pg_extern(immutable, parallel_safe)]
 fn make_multi_writer_token(
-    stream: i64,
+    stream: Option<i64>,
     instance_ids: default!(Option<Vec<Option<i32>>>, "NULL"),
     positions: default!(Option<Vec<Option<i64>>>, "NULL"),
-) -> MultiWriterToken {
-    MultiWriterToken(construct(stream, instance_ids, positions))
+) -> Option<MultiWriterToken> {
+    // Not STRICT, so that the arrays may be NULL; a NULL minimum is a NULL token.
+    Some(MultiWriterToken(construct(
+        stream?,
+        instance_ids,
+        positions,
+    )))
 }
 
 #[pg_extern(immutable, strict, parallel_safe)]

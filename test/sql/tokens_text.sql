@@ -8,7 +8,10 @@
 -- numbers 22003, binary I/O (bad bytes 22P03), casts to/from text and between
 -- the two types for live tokens, bad constructor arguments 22023.
 --
+-- (quietly: the other test files may have created it already)
+SET client_min_messages = warning;
 CREATE EXTENSION IF NOT EXISTS streampos;
+RESET client_min_messages;
 SET search_path = public, streampos;
 \set VERBOSITY default
 
@@ -362,3 +365,29 @@ LATERAL try_recv(decode(substr(v.hex, 3), 'hex'), v.col, :'recv_file') AS r;
 -- The full report of one bad binary value, with the COPY context.
 COPY (SELECT '\x02000000000000000005000000'::bytea) TO :'recv_file' (FORMAT binary);
 COPY recv_target (room) FROM :'recv_file' (FORMAT binary);
+
+---------------------------------------------------------------------------
+-- 11. Large tokens (3000 writers, 36 kB) are compressed / moved out of line
+--     by TOAST and read back intact.
+---------------------------------------------------------------------------
+CREATE TABLE tok_large (id int, t room_stream_token, m multi_writer_token);
+INSERT INTO tok_large
+SELECT 1, make_room_token(0, ids, pos), make_multi_writer_token(0, ids, pos)
+FROM (SELECT array_agg(i ORDER BY i) AS ids,
+             array_agg(1 + (i * 7919) % 1000003::bigint ORDER BY i) AS pos
+      FROM generate_series(1, 3000) AS i) AS s;
+SELECT pg_column_size(t) < 36009 AS compressed,
+       length(t::text) AS text_length, md5(t::text) AS text_md5,
+       stream_pos(t), max_stream_pos(t), instance_pos(t, 2999),
+       t = t::text::room_stream_token AS round_trips,
+       m::room_stream_token = t AS same_as_mw,
+       md5(room_stream_token_send(t)) = md5(multi_writer_token_send(m)) AS same_wire
+FROM tok_large;
+-- Out of line: the TOAST table holds the value.
+SELECT pg_relation_size(reltoastrelid) > 0 AS toasted
+FROM pg_class WHERE relname = 'tok_large';
+
+-- A NULL minimum gives a NULL token: the constructors are not STRICT (so that
+-- the arrays may be NULL), and must not fail on a NULL stream.
+SELECT streampos.make_room_token(NULL) IS NULL AS room_null,
+       streampos.make_multi_writer_token(NULL::bigint, '{1}', '{2}') IS NULL AS multi_writer_null;
