@@ -333,11 +333,14 @@ fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
         .report();
     }
     let instance = catalog::instance_id(writer).or_raise();
-    let index = registry_index(&meta);
-    worker::ensure_running();
+    if worker::ensure_running() {
+        registry::prune_if_crowded().or_raise();
+    }
     // Visibility checks compare against this xid.
     let xid = unsafe { pg_sys::GetTopTransactionId() };
-    let entry = registry::begin_allocation(index, instance, xid).or_raise();
+    let (index, entry) = with_index(&meta, |index| {
+        Ok(registry::begin_allocation(index, meta.key, instance, xid)?.map(|entry| (index, entry)))
+    });
     let delay = guc::ALLOCATION_DELAY_MS.get();
     if delay > 0 {
         unsafe { pg_sys::pg_usleep(delay as i64 * 1000) };
@@ -371,8 +374,30 @@ fn view(meta: &StreamMeta) -> StreamView {
     if in_recovery() {
         return standby_view(meta);
     }
-    let index = registry_index(meta);
-    registry::view(index, registry::caller_snapshot()).or_raise()
+    with_index(meta, |index| {
+        registry::view(index, meta.key, registry::caller_snapshot())
+    })
+}
+
+/// Run `f` with the stream's registry index. The index is cached per
+/// backend and validated by `f` under the registry lock; if it went stale
+/// (the stream was dropped and its state reused), look it up again.
+pub(crate) fn with_index<T>(
+    meta: &StreamMeta,
+    f: impl Fn(usize) -> Result<Result<T, registry::Stale>, Error>,
+) -> T {
+    for _ in 0..2 {
+        let index = registry_index(meta);
+        match f(index).or_raise() {
+            Ok(value) => return value,
+            Err(registry::Stale) => registry::forget_index(meta.key),
+        }
+    }
+    Error::InvalidState {
+        message: format!("stream \"{}\" was dropped concurrently", meta.name),
+        detail: None,
+    }
+    .report()
 }
 
 pub(crate) fn in_recovery() -> bool {

@@ -11,7 +11,7 @@ use serde_json::Value;
 use streampos_core::frontier;
 use streampos_core::token::{Token, TokenKind};
 
-use crate::api::{in_recovery, registry_index, writer_ids};
+use crate::api::{in_recovery, registry_index, with_index, writer_ids};
 use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
 use crate::registry;
@@ -58,8 +58,10 @@ fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool
     }
 }
 
-fn frontier_now(index: usize) -> i64 {
-    let v = registry::view(index, follower_snapshot()).or_raise();
+fn frontier_now(meta: &StreamMeta) -> i64 {
+    let v = with_index(meta, |index| {
+        registry::view(index, meta.key, follower_snapshot())
+    });
     frontier::frontier(v.max_allocated, &v.holders)
 }
 
@@ -74,15 +76,17 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
         stream_id
     };
     let reached = wait_until(index, timeout_ms, || {
-        let f = frontier_now(index);
+        let f = frontier_now(&meta);
         (f >= target, f)
     });
     meta.external(reached)
 }
 
 /// The current token for the follower's snapshot.
-fn token_now(meta: &StreamMeta, index: usize) -> Token {
-    let v = registry::view(index, follower_snapshot()).or_raise();
+fn token_now(meta: &StreamMeta) -> Token {
+    let v = with_index(meta, |index| {
+        registry::view(index, meta.key, follower_snapshot())
+    });
     frontier::current_token(v.max_allocated, &v.holders, &writer_ids(meta, &v))
 }
 
@@ -209,7 +213,7 @@ fn updates(
     let since = since.0;
     // Wait until some writer moved past `since`.
     let current = wait_until(index, timeout_ms, || {
-        let t = token_now(&meta, index);
+        let t = token_now(&meta);
         (!t.is_before_or_eq(&since), t)
     });
     // Never hand a follower a token behind the one it gave us.

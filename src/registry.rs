@@ -38,7 +38,7 @@ struct Header {
     ring_used: u32,
     /// Bumped by every change to the stream catalog; backends drop their
     /// cached catalog rows when it moves.
-    catalog_generation: u64,
+    catalog_generation: std::sync::atomic::AtomicU64,
     workers: [WorkerSlot; MAX_DATABASES],
 }
 
@@ -348,9 +348,41 @@ fn my_slot_index() -> Result<usize, Error> {
     Ok(procno as usize)
 }
 
+thread_local! {
+    /// Stream key -> state index, for streams known to be loaded. Validated
+    /// under the lock by every user (`matches`), so a stale entry costs a
+    /// retry, never a wrong answer.
+    static INDEX_CACHE: std::cell::RefCell<std::collections::HashMap<i32, usize>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// The registry no longer has `key` at the cached index.
+#[derive(Debug)]
+pub struct Stale;
+
+fn matches(s: &StreamState, key: i32) -> bool {
+    s.in_use && s.loaded && s.key == key && s.db == unsafe { pg_sys::MyDatabaseId }
+}
+
+pub fn forget_index(key: i32) {
+    INDEX_CACHE.with(|c| c.borrow_mut().remove(&key));
+}
+
 /// Find the state of (current database, stream key), creating it if needed.
 /// Returns its index and whether its maximum allocated ID is known yet.
 pub fn stream_index(key: i32) -> Result<(usize, bool), Error> {
+    require_loaded()?;
+    if let Some(i) = INDEX_CACHE.with(|c| c.borrow().get(&key).copied()) {
+        return Ok((i, true));
+    }
+    let (index, loaded) = lookup_stream_index(key)?;
+    if loaded {
+        INDEX_CACHE.with(|c| c.borrow_mut().insert(key, index));
+    }
+    Ok((index, loaded))
+}
+
+fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
     let db = unsafe { pg_sys::MyDatabaseId };
     {
         let locked = Locked::acquire(false)?;
@@ -449,10 +481,18 @@ pub fn mark_dropped(key: i32) -> Result<(), Error> {
 /// for the IDs this transaction is about to take. Without it a reader could
 /// see a later ID registered by another writer and report a frontier past
 /// ours.
-pub fn begin_allocation(stream: usize, instance: i32, xid: TransactionId) -> Result<usize, Error> {
+pub fn begin_allocation(
+    stream: usize,
+    key: i32,
+    instance: i32,
+    xid: TransactionId,
+) -> Result<Result<usize, Stale>, Error> {
     let slot_index = my_slot_index()?;
     register_exit_callback();
     let locked = Locked::acquire(true)?;
+    if !matches(&locked.streams()[stream], key) {
+        return Ok(Err(Stale));
+    }
     let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
     let stream_i32 = stream as i32;
     let slot = locked.slot(slot_index);
@@ -461,7 +501,7 @@ pub fn begin_allocation(stream: usize, instance: i32, xid: TransactionId) -> Res
         .position(|a| a.stream == stream_i32 && a.instance == instance)
     {
         // The existing entry's minimum is already below anything new.
-        return Ok(i);
+        return Ok(Ok(i));
     }
     let Some(i) = slot.iter().position(|a| a.stream < 0) else {
         return Err(Error::RegistryFull {
@@ -484,7 +524,7 @@ pub fn begin_allocation(stream: usize, instance: i32, xid: TransactionId) -> Res
     header.db = unsafe { pg_sys::MyDatabaseId };
     header.used += 1;
     unsafe { HOLDING = true };
-    Ok(i)
+    Ok(Ok(i))
 }
 
 /// Step 2: the IDs `first..=last` (in internal, positive numbering) were
@@ -632,6 +672,20 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     end_transaction(false);
 }
 
+/// Prune from a writer when the ring is more than half full: the position
+/// worker normally keeps it near empty, but may not be running.
+pub fn prune_if_crowded() -> Result<(), Error> {
+    let crowded = {
+        let locked = Locked::acquire(false)?;
+        let h = locked.h();
+        h.ring_used > h.ring_cap / 2
+    };
+    if crowded {
+        prune()?;
+    }
+    Ok(())
+}
+
 /// Forget finished entries that every snapshot, now and later, sees.
 pub fn prune() -> Result<(), Error> {
     require_loaded()?;
@@ -699,10 +753,17 @@ pub fn caller_snapshot() -> pg_sys::Snapshot {
     }
 }
 
-pub fn view(stream: usize, snapshot: pg_sys::Snapshot) -> Result<StreamView, Error> {
+pub fn view(
+    stream: usize,
+    key: i32,
+    snapshot: pg_sys::Snapshot,
+) -> Result<Result<StreamView, Stale>, Error> {
     let locked = Locked::acquire(false)?;
     let h = locked.h();
     let s = locked.streams()[stream];
+    if !matches(&s, key) {
+        return Ok(Err(Stale));
+    }
     let stream_i32 = stream as i32;
     let mut holders = Vec::new();
     for (slot_index, header) in locked.slot_headers().iter().enumerate() {
@@ -732,11 +793,11 @@ pub fn view(stream: usize, snapshot: pg_sys::Snapshot) -> Result<StreamView, Err
             min_id: s.summary.min_id,
         });
     }
-    Ok(StreamView {
+    Ok(Ok(StreamView {
         max_allocated: s.max_allocated,
         holders,
         seen: s.seen[..s.n_seen as usize].to_vec(),
-    })
+    }))
 }
 
 /// The stream's generation: it moves whenever an allocation finishes.
@@ -784,14 +845,27 @@ pub fn in_flight() -> Result<Vec<InFlight>, Error> {
     Ok(rows)
 }
 
+/// Read on every catalog lookup, so without the lock.
 pub fn catalog_generation() -> Option<u64> {
-    let locked = Locked::acquire(false).ok()?;
-    Some(locked.h().catalog_generation)
+    let header = unsafe { HEADER };
+    if header.is_null() {
+        return None;
+    }
+    Some(unsafe {
+        (*header)
+            .catalog_generation
+            .load(std::sync::atomic::Ordering::Acquire)
+    })
 }
 
 pub fn bump_catalog_generation() {
-    if let Ok(locked) = Locked::acquire(true) {
-        locked.h().catalog_generation += 1;
+    let header = unsafe { HEADER };
+    if !header.is_null() {
+        unsafe {
+            (*header)
+                .catalog_generation
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+        };
     }
 }
 
@@ -862,6 +936,15 @@ pub fn release_worker_slot(db: pg_sys::Oid) {
 /// Is a position worker registered (or starting) for this database? Marks it
 /// as starting when not, so that only one backend starts it.
 pub fn worker_needed(db: pg_sys::Oid) -> bool {
+    {
+        let Ok(locked) = Locked::acquire(false) else {
+            return false;
+        };
+        let running = locked.h().workers.iter().any(|w| w.db == db && w.pid != 0);
+        if running {
+            return false;
+        }
+    }
     let Ok(locked) = Locked::acquire(true) else {
         return false;
     };

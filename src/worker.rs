@@ -12,12 +12,22 @@ use pgrx::IntoDatum;
 
 use crate::{catalog, guc, registry};
 
-/// Start this database's worker unless it runs (cheap: one shared lock when
-/// it does).
-pub fn ensure_running() {
+thread_local! {
+    static LAST_CHECK: std::cell::Cell<pg_sys::TimestampTz> = const { std::cell::Cell::new(0) };
+}
+
+/// Start this database's worker unless it runs. Checked at most once a
+/// second per backend, as this is on every allocation's path; returns
+/// whether it checked (callers piggyback other once-a-second work on it).
+pub fn ensure_running() -> bool {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    if now - LAST_CHECK.with(|c| c.get()) < 1_000_000 {
+        return false;
+    }
+    LAST_CHECK.with(|c| c.set(now));
     let db = unsafe { pg_sys::MyDatabaseId };
     if !registry::worker_needed(db) {
-        return;
+        return true;
     }
     let started = BackgroundWorkerBuilder::new("streampos position worker")
         .set_type("streampos position worker")
@@ -36,6 +46,7 @@ pub fn ensure_running() {
             "Writer positions are not stored until it starts; raise max_worker_processes."
         );
     }
+    true
 }
 
 #[pg_guard]
