@@ -1,0 +1,96 @@
+"""A hot standby: allocation is refused (25006), and readers answer from the
+durable positions, which replicate in commit order and are never ahead of
+the rows the standby can see."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import (
+    PG_BIN,
+    PGDATA,
+    connect_raw,
+    create_stream,
+    expect_error,
+    one,
+    stored_positions,
+    wait_until,
+)
+
+STANDBY_PORT = int(os.environ.get("STREAMPOS_STANDBY_PORT", "54339"))
+
+
+def as_postgres(args):
+    return (["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []) + args
+
+
+@pytest.fixture(scope="module")
+def standby(database):
+    if not PGDATA:
+        pytest.skip("STREAMPOS_PGDATA is not set")
+    path = PGDATA.rstrip("/") + "-standby"
+    shutil.rmtree(path, ignore_errors=True)
+    env = dict(os.environ, RUST_BACKTRACE="0", RUST_LIB_BACKTRACE="0")
+    port = os.environ.get("STREAMPOS_PGPORT", "54330")
+    subprocess.run(
+        as_postgres([os.path.join(PG_BIN, "pg_basebackup"), "-h", "127.0.0.1", "-p", port, "-U", "postgres",
+                     "-D", path, "-R", "-X", "stream", "-c", "fast"]),
+        check=True, capture_output=True, env=env, timeout=120,
+    )
+    subprocess.run(
+        as_postgres([os.path.join(PG_BIN, "pg_ctl"), "-D", path, "-l", os.path.join(path, "server.log"),
+                     "-o", f"-p {STANDBY_PORT} -c hot_standby=on", "-w", "-t", "60", "start"]),
+        check=True, capture_output=True, env=env, timeout=120,
+    )
+    yield dict(port=STANDBY_PORT)
+    subprocess.run(
+        as_postgres([os.path.join(PG_BIN, "pg_ctl"), "-D", path, "-m", "immediate", "-w", "stop"]),
+        capture_output=True, env=env, timeout=120,
+    )
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_standby_reads_stored_positions_and_refuses_allocation(connect, stream, standby):
+    primary = connect()
+    create_stream(primary, stream, writers=["a", "b"])
+    primary.execute(f"CREATE TABLE {stream} (id bigint PRIMARY KEY, instance_name text)")
+    for w in ["a", "b", "a"]:
+        primary.execute(
+            f"INSERT INTO {stream} VALUES (streampos.next_id(%s, %s), %s)", (stream, w, w)
+        )
+    # A writer holding an ID in flight on the primary: the standby cannot see
+    # it, and its sequence already counts it.
+    holder = connect()
+    holder.execute("BEGIN")
+    held = one(holder, "SELECT streampos.next_id(%s, 'b')", (stream,))
+    holder.execute(f"INSERT INTO {stream} VALUES (%s, 'b')", (held,))
+    # An idle writer is at the maximum allocated ID; b is held back.
+    wait_until(lambda: stored_positions(primary, stream) == {"a": 4, "b": 3}, message="stored positions")
+    a_id = one(primary, "SELECT streampos.instance_id('a')")
+
+    with connect_raw(port=standby["port"]) as replica:
+        wait_until(
+            lambda: one(replica, "SELECT count(*) FROM streampos.stream_positions WHERE stream_name = %s",
+                        (stream,)) == 2,
+            timeout=10,
+            message="the standby to replay the positions",
+        )
+        # Never past the in-flight ID, although the standby's sequence is.
+        assert one(replica, "SELECT streampos.frontier(%s)", (stream,)) == 3
+        assert one(replica, "SELECT streampos.writer_position(%s, 'b')", (stream,)) == 3
+        assert one(replica, "SELECT streampos.current_room_token(%s)::text", (stream,)) == f"m3~{a_id}.4"
+        # Every row up to the frontier is visible on the standby.
+        assert one(replica, f"SELECT count(*) FROM {stream} WHERE id <= streampos.frontier(%s)", (stream,)) == 3
+        expect_error(replica, "SELECT streampos.next_id(%s, 'a')", (stream,), sqlstate="25006")
+        expect_error(replica, "SELECT streampos.wait_for(%s, 10, 100)", (stream,), sqlstate="0A000")
+
+        holder.execute("COMMIT")
+        wait_until(lambda: stored_positions(primary, stream) == {"a": 4, "b": 4}, message="positions after commit")
+        wait_until(
+            lambda: one(replica, "SELECT streampos.frontier(%s)", (stream,)) == 4,
+            timeout=10,
+            message="the standby frontier to advance",
+        )
+        assert one(replica, f"SELECT count(*) FROM {stream} WHERE id <= 4") == 4
