@@ -351,7 +351,10 @@ fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     }
     let first = ids.first().copied().unwrap_or(0);
     let last = ids.last().copied().unwrap_or(0);
-    registry::finish_allocation(index, entry, instance, first, last, n as i64).or_raise();
+    // Covers the WAL record that made these sequence values durable,
+    // whichever backend wrote it.
+    let lsn = unsafe { pg_sys::GetXLogInsertRecPtr() };
+    registry::finish_allocation(index, entry, instance, first, last, n as i64, lsn).or_raise();
     if meta.backwards {
         ids.iter_mut().for_each(|id| *id = -*id);
     }
@@ -374,9 +377,64 @@ fn view(meta: &StreamMeta) -> StreamView {
     if in_recovery() {
         return standby_view(meta);
     }
-    with_index(meta, |index| {
-        registry::view(index, meta.key, registry::caller_snapshot())
-    })
+    let snapshot = registry::caller_snapshot();
+    let key = ViewKey::of(meta.key, snapshot);
+    let cached = VIEW_CACHE.with(|c| {
+        c.borrow()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.clone())
+    });
+    if let Some(v) = cached {
+        return v;
+    }
+    let v = with_index(meta, |index| registry::view(index, meta.key, snapshot));
+    VIEW_CACHE.with(|c| {
+        let mut cache = c.borrow_mut();
+        cache.retain(|(k, _)| k.statement == key.statement);
+        if cache.len() >= 16 {
+            cache.remove(0);
+        }
+        cache.push((key, v.clone()));
+    });
+    v
+}
+
+/// One statement's snapshot, as far as positions are concerned.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct ViewKey {
+    stream: i32,
+    snapshot: usize,
+    xmin: u32,
+    xmax: u32,
+    completion_count: u64,
+    statement: pg_sys::TimestampTz,
+}
+
+impl ViewKey {
+    fn of(stream: i32, snapshot: pg_sys::Snapshot) -> ViewKey {
+        unsafe {
+            ViewKey {
+                stream,
+                snapshot: snapshot as usize,
+                xmin: (*snapshot).xmin.into_inner(),
+                xmax: (*snapshot).xmax.into_inner(),
+                completion_count: (*snapshot).snapXactCompletionCount,
+                statement: pg_sys::GetCurrentStatementStartTimestamp(),
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Answers already given in this statement. `frontier()` is STABLE: the
+    /// same statement must get the same answer, or `WHERE id <= frontier(s)`
+    /// could filter early rows with one value and report a later, higher
+    /// one (an abort or a WAL flush moves the answer for the same
+    /// snapshot). A cached answer stays correct for the snapshot: IDs
+    /// allocated since are above it.
+    static VIEW_CACHE: std::cell::RefCell<Vec<(ViewKey, StreamView)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Run `f` with the stream's registry index. The index is cached per

@@ -53,7 +53,9 @@ fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool
         if done || now >= deadline {
             return value;
         }
-        let left = (deadline - now).as_millis().min(i32::MAX as u128) as i64;
+        // Re-check at least every 100 ms: positions also move when the WAL
+        // is flushed (IDs become durable), which broadcasts nothing.
+        let left = (deadline - now).as_millis().min(100) as i64;
         registry::wait_for_change(index, generation, left).or_raise();
     }
 }

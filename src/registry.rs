@@ -57,6 +57,12 @@ struct Summary {
     min_xid: TransactionId,
     max_xid: TransactionId,
     min_id: i64,
+    /// The transaction completion count after the last fold: a snapshot
+    /// whose own count is at least this was taken after every folded
+    /// transaction completed, so it sees them all.
+    completion_count: u64,
+    /// The highest WAL position the folded allocations need flushed.
+    lsn: u64,
 }
 
 #[repr(C)]
@@ -85,6 +91,9 @@ struct Finished {
     min_id: i64,
     max_id: i64,
     xid: TransactionId,
+    /// Aborted: kept only until `lsn` is flushed (see `Active::lsn`).
+    aborted: bool,
+    lsn: u64,
 }
 
 /// One backend's allocations in its current transaction, per (stream, writer).
@@ -101,6 +110,11 @@ struct Active {
     xid: TransactionId,
     pending: bool,
     since: pg_sys::TimestampTz,
+    /// The WAL insert position right after `nextval` returned. Until the
+    /// WAL is flushed that far, a crash could roll the sequence back below
+    /// these IDs and hand them out again, to any writer: so until then they
+    /// hold back every writer, whatever becomes of the transaction.
+    lsn: u64,
 }
 
 const FREE_ACTIVE: Active = Active {
@@ -112,6 +126,7 @@ const FREE_ACTIVE: Active = Active {
     xid: TransactionId::INVALID,
     pending: false,
     since: 0,
+    lsn: 0,
 };
 
 #[repr(C)]
@@ -518,6 +533,7 @@ pub fn begin_allocation(
         xid,
         pending: true,
         since: unsafe { pg_sys::GetCurrentTransactionStartTimestamp() },
+        lsn: 0,
     };
     let header = &mut locked.slot_headers()[slot_index];
     header.pid = unsafe { pg_sys::MyProcPid };
@@ -536,6 +552,7 @@ pub fn finish_allocation(
     first: i64,
     last: i64,
     count: i64,
+    lsn: u64,
 ) -> Result<(), Error> {
     let slot_index = my_slot_index()?;
     let locked = Locked::acquire(true)?;
@@ -557,6 +574,7 @@ pub fn finish_allocation(
     }
     a.max_id = a.max_id.max(last);
     a.count += count;
+    a.lsn = a.lsn.max(lsn);
     let s = &mut locked.streams()[stream];
     s.max_allocated = s.max_allocated.max(last);
     if !s.seen[..s.n_seen as usize].contains(&instance) && (s.n_seen as usize) < SEEN_WRITERS {
@@ -579,6 +597,10 @@ pub fn end_transaction(committed: bool) {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
+        // Both read without our lock; neither can raise an error. Our own
+        // completion is already counted (ProcArrayEndTransaction ran).
+        let flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        let completion_count = (*pg_sys::ShmemVariableCache).xactCompletionCount;
         let locked = Locked::acquire_raw(HEADER, true);
         let h = locked.h();
         let ring_cap = h.ring_cap as usize;
@@ -599,7 +621,10 @@ pub fn end_transaction(committed: bool) {
                     wake_all = true;
                 }
             }
-            if committed {
+            // A synchronous commit flushed past the IDs' sequence record;
+            // an abort or an asynchronous commit may not have.
+            let lsn = if a.lsn > flushed { a.lsn } else { 0 };
+            if committed || lsn != 0 {
                 let used = h.ring_used as usize;
                 if used < ring_cap {
                     locked.ring()[used] = Finished {
@@ -608,10 +633,18 @@ pub fn end_transaction(committed: bool) {
                         min_id: a.min_id,
                         max_id: a.max_id,
                         xid: a.xid,
+                        aborted: !committed,
+                        lsn,
                     };
                     h.ring_used += 1;
                 } else {
-                    fold_into_summary(&mut locked.streams()[stream].summary, a.xid, a.min_id);
+                    fold_into_summary(
+                        &mut locked.streams()[stream].summary,
+                        a.xid,
+                        a.min_id,
+                        completion_count,
+                        lsn,
+                    );
                 }
             }
             locked.streams()[stream].generation += 1;
@@ -635,16 +668,26 @@ pub fn end_transaction(committed: bool) {
     }
 }
 
-fn fold_into_summary(summary: &mut Summary, xid: TransactionId, min_id: i64) {
+fn fold_into_summary(
+    summary: &mut Summary,
+    xid: TransactionId,
+    min_id: i64,
+    completion_count: u64,
+    lsn: u64,
+) {
     if !summary.valid {
         *summary = Summary {
             valid: true,
             min_xid: xid,
             max_xid: xid,
             min_id,
+            completion_count,
+            lsn,
         };
         return;
     }
+    summary.completion_count = summary.completion_count.max(completion_count);
+    summary.lsn = summary.lsn.max(lsn);
     unsafe {
         if pg_sys::TransactionIdPrecedes(xid, summary.min_xid) {
             summary.min_xid = xid;
@@ -690,12 +733,16 @@ pub fn prune_if_crowded() -> Result<(), Error> {
 pub fn prune() -> Result<(), Error> {
     require_loaded()?;
     let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(ptr::null_mut()) };
+    let flushed = flushed_lsn();
     let locked = Locked::acquire(true)?;
     let h = locked.h();
     let ring = locked.ring();
     let mut i = 0;
     while i < h.ring_used as usize {
-        if unsafe { pg_sys::TransactionIdPrecedes(ring[i].xid, horizon) } {
+        let f = &ring[i];
+        let durable = f.lsn <= flushed;
+        let seen_by_all = f.aborted || unsafe { pg_sys::TransactionIdPrecedes(f.xid, horizon) };
+        if durable && seen_by_all {
             h.ring_used -= 1;
             ring[i] = ring[h.ring_used as usize];
         } else {
@@ -703,11 +750,20 @@ pub fn prune() -> Result<(), Error> {
         }
     }
     for s in locked.streams().iter_mut() {
-        if s.summary.valid && unsafe { pg_sys::TransactionIdPrecedes(s.summary.max_xid, horizon) } {
+        if s.summary.valid
+            && s.summary.lsn <= flushed
+            && unsafe { pg_sys::TransactionIdPrecedes(s.summary.max_xid, horizon) }
+        {
             s.summary.valid = false;
         }
     }
     Ok(())
+}
+
+/// How far the WAL is durable. Allocations beyond it could be handed out
+/// again after a crash.
+fn flushed_lsn() -> u64 {
+    unsafe { pg_sys::GetFlushRecPtr(ptr::null_mut()) }
 }
 
 /// Does `snapshot` possibly not see transaction `xid` as finished?
@@ -721,6 +777,12 @@ unsafe fn invisible(xid: TransactionId, snapshot: pg_sys::Snapshot) -> bool {
 unsafe fn sees_all(summary: &Summary, snapshot: pg_sys::Snapshot) -> bool {
     unsafe {
         let snap = &*snapshot;
+        // Taken after the last folded transaction completed.
+        if snap.snapXactCompletionCount != 0
+            && snap.snapXactCompletionCount >= summary.completion_count
+        {
+            return true;
+        }
         if pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmin) {
             return true;
         }
@@ -736,6 +798,7 @@ unsafe fn sees_all(summary: &Summary, snapshot: pg_sys::Snapshot) -> bool {
 }
 
 /// What the caller's snapshot must treat as in flight for one stream.
+#[derive(Clone)]
 pub struct StreamView {
     pub max_allocated: i64,
     pub holders: Vec<Holder>,
@@ -758,6 +821,9 @@ pub fn view(
     key: i32,
     snapshot: pg_sys::Snapshot,
 ) -> Result<Result<StreamView, Stale>, Error> {
+    // Read before the scan: anything flushed later only makes us more
+    // conservative.
+    let flushed = flushed_lsn();
     let locked = Locked::acquire(false)?;
     let h = locked.h();
     let s = locked.streams()[stream];
@@ -766,6 +832,15 @@ pub fn view(
     }
     let stream_i32 = stream as i32;
     let mut holders = Vec::new();
+    // IDs not yet durable hold back every writer: a crash could hand them
+    // out again to anyone.
+    let held_by = |instance: i32, lsn: u64| {
+        if lsn > flushed {
+            HeldBy::AllWriters
+        } else {
+            HeldBy::Writer(instance)
+        }
+    };
     for (slot_index, header) in locked.slot_headers().iter().enumerate() {
         if header.used == 0 {
             continue;
@@ -773,21 +848,26 @@ pub fn view(
         for a in locked.slot(slot_index).iter() {
             if a.stream == stream_i32 {
                 holders.push(Holder {
-                    held_by: HeldBy::Writer(a.instance),
+                    held_by: held_by(a.instance, a.lsn),
                     min_id: a.min_id,
                 });
             }
         }
     }
     for f in locked.ring()[..h.ring_used as usize].iter() {
-        if f.stream == stream_i32 && unsafe { invisible(f.xid, snapshot) } {
+        if f.stream != stream_i32 {
+            continue;
+        }
+        let not_durable = f.lsn > flushed;
+        let unseen = !f.aborted && unsafe { invisible(f.xid, snapshot) };
+        if not_durable || unseen {
             holders.push(Holder {
-                held_by: HeldBy::Writer(f.instance),
+                held_by: held_by(f.instance, f.lsn),
                 min_id: f.min_id,
             });
         }
     }
-    if s.summary.valid && !unsafe { sees_all(&s.summary, snapshot) } {
+    if s.summary.valid && (s.summary.lsn > flushed || !unsafe { sees_all(&s.summary, snapshot) }) {
         holders.push(Holder {
             held_by: HeldBy::AllWriters,
             min_id: s.summary.min_id,
