@@ -20,6 +20,33 @@ extern "C-unwind" {
     fn nextval_internal(relid: pg_sys::Oid, check_permissions: bool) -> i64;
 }
 
+/// The LSN of the sequence's page: the end of the WAL record that made the
+/// values just handed out survive a crash (nextval logs 32 values ahead,
+/// whichever backend's call wrote it). Until the WAL is flushed that far, a
+/// crash could hand these IDs out again.
+fn sequence_page_lsn(seq: pg_sys::Oid) -> u64 {
+    unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+            // nextval already holds a stronger lock: this is a local lookup.
+            let rel = pg_sys::relation_open(seq, lock);
+            let buffer = pg_sys::ReadBuffer(rel, 0);
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+            let page = if buffer > 0 {
+                pg_sys::BufferBlocks.add((buffer as usize - 1) * pg_sys::BLCKSZ as usize)
+                    as *const pg_sys::PageHeaderData
+            } else {
+                *pg_sys::LocalBufferBlockPointers.add((-buffer - 1) as usize)
+                    as *const pg_sys::PageHeaderData
+            };
+            let lsn = ((*page).pd_lsn.xlogid as u64) << 32 | (*page).pd_lsn.xrecoff as u64;
+            pg_sys::UnlockReleaseBuffer(buffer);
+            pg_sys::relation_close(rel, lock);
+            lsn
+        })
+    }
+}
+
 /// `nextval` without the SQL call overhead. EXECUTE on next_id() is the
 /// permission that matters, so the sequence's own is not checked.
 fn nextval(seq: pg_sys::Oid) -> i64 {
@@ -351,9 +378,7 @@ fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     }
     let first = ids.first().copied().unwrap_or(0);
     let last = ids.last().copied().unwrap_or(0);
-    // Covers the WAL record that made these sequence values durable,
-    // whichever backend wrote it.
-    let lsn = unsafe { pg_sys::GetXLogInsertRecPtr() };
+    let lsn = sequence_page_lsn(meta.seq);
     registry::finish_allocation(index, entry, instance, first, last, n as i64, lsn).or_raise();
     if meta.backwards {
         ids.iter_mut().for_each(|id| *id = -*id);
@@ -540,8 +565,10 @@ fn writer_position(stream: &str, writer: &str) -> i64 {
             frontier::frontier(v.max_allocated, &v.holders)
         }
         Some(id) => frontier::writer_position(v.max_allocated, &v.holders, id),
-        // An instance that never wrote holds nothing back.
-        None => frontier::writer_position(v.max_allocated, &v.holders, i32::MIN),
+        // A name this snapshot cannot resolve may belong to a writer whose
+        // first transaction (which created the name) is still running: the
+        // frontier is the only safe answer.
+        None => frontier::frontier(v.max_allocated, &v.holders),
     };
     meta.external(position)
 }
@@ -562,13 +589,13 @@ fn writer_positions(
     let names = catalog::instance_names();
     let rows: Vec<(String, i32, i64)> = writer_ids(&meta, &v)
         .into_iter()
-        .map(|id| {
-            let name = names.get(&id).cloned().unwrap_or_default();
-            (
-                name,
-                id,
-                meta.external(frontier::writer_position(v.max_allocated, &v.holders, id)),
-            )
+        // An instance whose name this snapshot cannot see yet (created by a
+        // transaction still running) is left out, as it would be from a
+        // token's reader: it reads as the frontier.
+        .filter_map(|id| {
+            let name = names.get(&id)?.clone();
+            let position = frontier::writer_position(v.max_allocated, &v.holders, id);
+            Some((name, id, meta.external(position)))
         })
         .collect();
     TableIterator::new(rows)

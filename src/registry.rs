@@ -597,9 +597,21 @@ pub fn end_transaction(committed: bool) {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
-        // Both read without our lock; neither can raise an error. Our own
-        // completion is already counted (ProcArrayEndTransaction ran).
-        let flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        let mut flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        if !committed {
+            // An abort releases its IDs at once, so the sequence record that
+            // covers them must be on disk first, or a crash could hand them
+            // out again. Rare: nextval logs once per 32 values and after a
+            // checkpoint. XLogFlush raises no ERROR (a WAL write failure is a
+            // PANIC anywhere). Our own slot: nobody else writes it.
+            let needed = (*HEADER).slot_lsn_max(procno as usize);
+            if needed > flushed {
+                pg_sys::XLogFlush(needed);
+                flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+            }
+        }
+        // Read without our lock; cannot raise an error. Our own completion
+        // is already counted (ProcArrayEndTransaction ran).
         let completion_count = (*pg_sys::ShmemVariableCache).xactCompletionCount;
         let locked = Locked::acquire_raw(HEADER, true);
         let h = locked.h();
@@ -625,25 +637,39 @@ pub fn end_transaction(committed: bool) {
             // an abort or an asynchronous commit may not have.
             let lsn = if a.lsn > flushed { a.lsn } else { 0 };
             if committed || lsn != 0 {
+                let entry = Finished {
+                    stream: a.stream,
+                    instance: a.instance,
+                    min_id: a.min_id,
+                    max_id: a.max_id,
+                    xid: a.xid,
+                    aborted: !committed,
+                    lsn,
+                };
                 let used = h.ring_used as usize;
                 if used < ring_cap {
-                    locked.ring()[used] = Finished {
-                        stream: a.stream,
-                        instance: a.instance,
-                        min_id: a.min_id,
-                        max_id: a.max_id,
-                        xid: a.xid,
-                        aborted: !committed,
-                        lsn,
-                    };
+                    locked.ring()[used] = entry;
                     h.ring_used += 1;
                 } else {
+                    // Full: fold the oldest entry into its stream's summary
+                    // and take its place. The oldest is the one fresh
+                    // snapshots most surely see (its xid is below their
+                    // xmin), so only old snapshots pay for the summary.
+                    let ring = locked.ring();
+                    let mut oldest = 0;
+                    for (i, f) in ring.iter().enumerate() {
+                        if pg_sys::TransactionIdPrecedes(f.xid, ring[oldest].xid) {
+                            oldest = i;
+                        }
+                    }
+                    let evicted = ring[oldest];
+                    ring[oldest] = entry;
                     fold_into_summary(
-                        &mut locked.streams()[stream].summary,
-                        a.xid,
-                        a.min_id,
+                        &mut locked.streams()[evicted.stream as usize].summary,
+                        evicted.xid,
+                        evicted.min_id,
                         completion_count,
-                        lsn,
+                        evicted.lsn,
                     );
                 }
             }
@@ -665,6 +691,23 @@ pub fn end_transaction(committed: bool) {
                 pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
             }
         }
+    }
+}
+
+impl Header {
+    /// The highest WAL position this backend's entries need durable.
+    /// Reads only the caller's own slot, which only it writes.
+    unsafe fn slot_lsn_max(&mut self, slot: usize) -> u64 {
+        let locked = std::mem::ManuallyDrop::new(Locked {
+            header: self as *mut Header,
+        });
+        locked
+            .slot(slot)
+            .iter()
+            .filter(|a| a.stream >= 0)
+            .map(|a| a.lsn)
+            .max()
+            .unwrap_or(0)
     }
 }
 
