@@ -88,6 +88,7 @@ pub fn end_transaction(committed: bool) {
 
 /// Called by every function that changes the catalog.
 pub fn mark_changed() {
+    registry::set_last_catalog_xid(unsafe { pg_sys::GetTopTransactionId() });
     CHANGED.with(|x| x.set(true));
     registry::bump_catalog_generation();
     CLEAR_ON_NEXT_USE.with(|x| x.set(true));
@@ -166,7 +167,11 @@ pub fn stream(name: &str) -> Result<StreamMeta, Error> {
         return Ok(meta);
     }
     let meta = load_stream(name).ok_or_else(|| Error::UnknownStream(name.to_string()))?;
-    with_cache(|c| c.streams.insert(name.to_string(), meta.clone()));
+    // A snapshot older than the latest catalog change may have read a row
+    // that is gone already: use it for this call only.
+    if registry::snapshot_sees_catalog(registry::caller_snapshot()) {
+        with_cache(|c| c.streams.insert(name.to_string(), meta.clone()));
+    }
     Ok(meta)
 }
 

@@ -15,7 +15,18 @@ pub static POSITION_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(200);
 /// to prove that readers respect the lower bound.
 pub static ALLOCATION_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
 
-pub fn define() {
+/// `preloading`: PGC_POSTMASTER settings can only be defined while
+/// shared_preload_libraries is processed; a later load (for the token types
+/// alone) must not define them, or PostgreSQL raises FATAL.
+pub fn define(preloading: bool) {
+    if preloading {
+        define_registry_sizes();
+    }
+    define_runtime();
+    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"streampos".as_ptr()) };
+}
+
+fn define_registry_sizes() {
     GucRegistry::define_int_guc(
         c"streampos.max_streams",
         c"Streams (per database) that the in-flight registry can track.",
@@ -46,6 +57,9 @@ pub fn define() {
         GucContext::Postmaster,
         GucFlags::default(),
     );
+}
+
+fn define_runtime() {
     GucRegistry::define_int_guc(
         c"streampos.position_interval_ms",
         c"How often the background worker stores writer positions in streampos.stream_positions.",
@@ -66,5 +80,4 @@ pub fn define() {
         GucContext::Suset,
         GucFlags::UNIT_MS | GucFlags::NO_SHOW_ALL,
     );
-    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"streampos".as_ptr()) };
 }

@@ -25,10 +25,11 @@ pgrx::extension_sql_file!("../sql/finalize.sql", name = "finalize", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
-    guc::define();
     // The registry exists only when the library is preloaded: shared memory
     // can be requested nowhere else. Token types work either way.
-    if unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+    let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    guc::define(preloading);
+    if preloading {
         registry::request_shared_memory();
     }
     xact::register_callbacks();

@@ -39,6 +39,9 @@ struct Header {
     /// Bumped by every change to the stream catalog; backends drop their
     /// cached catalog rows when it moves.
     catalog_generation: std::sync::atomic::AtomicU64,
+    /// The top xid of the latest catalog-changing transaction. A backend
+    /// caches a catalog row only if its snapshot saw that transaction.
+    last_catalog_xid: std::sync::atomic::AtomicU32,
     workers: [WorkerSlot; MAX_DATABASES],
 }
 
@@ -981,6 +984,34 @@ pub fn catalog_generation() -> Option<u64> {
     })
 }
 
+/// Record that transaction `xid` changes the catalog.
+pub fn set_last_catalog_xid(xid: TransactionId) {
+    let header = unsafe { HEADER };
+    if !header.is_null() {
+        unsafe {
+            (*header)
+                .last_catalog_xid
+                .store(xid.into_inner(), std::sync::atomic::Ordering::Release)
+        };
+    }
+}
+
+/// Does `snapshot` see the latest catalog change as finished? Rows it read
+/// may then be cached (they stay valid until the generation moves).
+pub fn snapshot_sees_catalog(snapshot: pg_sys::Snapshot) -> bool {
+    let header = unsafe { HEADER };
+    if header.is_null() {
+        return false;
+    }
+    let xid = unsafe {
+        (*header)
+            .last_catalog_xid
+            .load(std::sync::atomic::Ordering::Acquire)
+    };
+    let xid = TransactionId::from_inner(xid);
+    xid == TransactionId::INVALID || !unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
+}
+
 pub fn bump_catalog_generation() {
     let header = unsafe { HEADER };
     if !header.is_null() {
@@ -1123,6 +1154,31 @@ pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
         .filter(|(_, s)| s.in_use && s.loaded && !s.dropped && s.db == db)
         .map(|(i, s)| (s.key, i, s.generation))
         .collect()
+}
+
+/// Before commit: a transaction that wrote no WAL of its own (it only
+/// allocated) commits without flushing the WAL, so its IDs would be held
+/// until the WAL writer flushes their sequence record. Flush it now instead,
+/// when it is not on disk yet (after a checkpoint, or once per 32 values).
+/// Under synchronous_commit = off the IDs wait for the WAL writer, like the
+/// commit itself.
+pub fn flush_before_commit() {
+    unsafe {
+        if !HOLDING || HEADER.is_null() || pg_sys::XactLastRecEnd != 0 {
+            return;
+        }
+        if pg_sys::synchronous_commit <= pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_OFF as i32 {
+            return;
+        }
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let needed = (*HEADER).slot_lsn_max(procno as usize);
+        if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
+            pg_sys::XLogFlush(needed);
+        }
+    }
 }
 
 /// Does this backend's transaction hold IDs?

@@ -24,6 +24,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
             registry::end_transaction(false);
             catalog::end_transaction(false);
         }
+        XactEvent::XACT_EVENT_PRE_COMMIT => registry::flush_before_commit(),
         XactEvent::XACT_EVENT_PRE_PREPARE if registry::holding() => Error::Prepare.report(),
         _ => {}
     }

@@ -109,6 +109,33 @@ def backend_pid(conn):
     return one(conn, "SELECT pg_backend_pid()")
 
 
+# --------------------------------------------------------------- durability
+#
+# streampos counts an ID as finished only once its transaction ended AND the
+# WAL that made its sequence value durable is flushed (otherwise a crash could
+# hand the ID out again). The extension flushes that WAL itself when a
+# transaction that allocated aborts, or commits without having written WAL of
+# its own; only asynchronous commits (synchronous_commit = off) wait for the
+# WAL writer. durable_commit() makes a test's commit write WAL like a real
+# writer's, so both paths are exercised.
+
+WAL_MARK = "SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-pytest', '')"
+
+
+def durable_commit(conn):
+    """COMMIT the open transaction after writing a WAL record in it (as the
+    rows a real writer persists would), so the commit flushes the WAL."""
+    conn.execute(WAL_MARK)
+    conn.execute("COMMIT")
+
+
+def flush_wal(conn):
+    """Flush the WAL up to now (a tiny synchronous commit of an autocommit
+    session): every ID allocated so far is durable afterwards."""
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    conn.execute(WAL_MARK)
+
+
 # --------------------------------------------------------------- waiting
 
 
@@ -196,19 +223,29 @@ def database():
             timeout=10,
             message="the position worker to start",
         )
-    return DBNAME
+    yield DBNAME
+    try:
+        drop_streams("warmup")
+    except psycopg.Error:
+        pass
 
 
 class Connections:
-    """Connection factory: every connection it makes is closed at teardown."""
+    """Connection factory: every connection it makes is closed at teardown,
+    then the registered clean-ups run (when no session of the test holds
+    anything any more)."""
 
     def __init__(self):
         self._conns = []
+        self._cleanups = []
 
     def __call__(self, **kwargs):
         conn = connect_raw(**kwargs)
         self._conns.append(conn)
         return conn
+
+    def on_teardown(self, fn):
+        self._cleanups.append(fn)
 
     def close_all(self):
         for conn in self._conns:
@@ -217,6 +254,31 @@ class Connections:
             except Exception:
                 pass
         self._conns.clear()
+        for fn in reversed(self._cleanups):
+            try:
+                fn()
+            except Exception:
+                pass
+        self._cleanups.clear()
+
+
+def drop_streams(prefix):
+    """Drop every stream whose name starts with ``prefix``: a dropped
+    stream's registry slot can be reused, while the slots of streams in a
+    dropped database stay taken until the server restarts
+    (streampos.max_streams is cluster-wide)."""
+    with connect_raw(connect_timeout=5) as c:
+        c.execute("SET lock_timeout = '2s'")
+        names = rows(
+            c,
+            "SELECT stream_name FROM streampos.streams WHERE starts_with(stream_name, %s)",
+            (prefix,),
+        )
+        for (name,) in names:
+            try:
+                c.execute("SELECT streampos.drop_stream(%s)", (name,))
+            except psycopg.Error:
+                pass
 
 
 @pytest.fixture
@@ -237,13 +299,16 @@ _counter = 0
 
 
 @pytest.fixture
-def stream(request):
-    """A stream name unique to this test (not yet created)."""
+def stream(request, connect):
+    """A stream name unique to this test (not yet created). Streams whose
+    name starts with it are dropped after the test's sessions are closed."""
     global _counter
     _counter += 1
     base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower()).strip("_")
     base = base.removeprefix("test_")[:28]
-    return f"{base}_{_counter}_{uuid.uuid4().hex[:6]}"
+    name = f"{base}_{_counter}_{uuid.uuid4().hex[:6]}"
+    connect.on_teardown(lambda: drop_streams(name))
+    return name
 
 
 @pytest.fixture

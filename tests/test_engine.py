@@ -5,6 +5,11 @@ table and check_stream().
 Every session is a separate connection (a separate backend); transactions are
 explicit (BEGIN ... COMMIT/ROLLBACK). Threads are used only where a call must
 block while the test goes on. Every loop is bounded in time and count.
+
+IDs count as finished once their transaction ended and their sequence values
+are durable (see conftest.durable_commit): positions are asserted exactly
+right after a durable commit, and polled (bounded) after an abort or an
+asynchronous commit.
 """
 
 import random
@@ -18,7 +23,9 @@ from conftest import (
     CATCH_UP_SECONDS,
     backend_pid,
     create_stream,
+    durable_commit,
     expect_error,
+    flush_wal,
     in_flight,
     one,
     rows,
@@ -72,16 +79,19 @@ def instance_id(conn, name):
 
 
 def commit_ids(conn, stream, writer, n):
-    """Allocate n IDs in one transaction and commit them."""
+    """Allocate n IDs in one transaction and commit them (durably)."""
     conn.execute("BEGIN")
     ids = next_ids(conn, stream, writer, n)
-    conn.execute("COMMIT")
+    durable_commit(conn)
     return ids
 
 
 def hold_ids(conn, stream, writer, n=1):
-    """Open a transaction holding n IDs in flight; returns the IDs."""
+    """Open a transaction holding n IDs in flight (next_id for one, next_ids
+    for more); returns the IDs."""
     conn.execute("BEGIN")
+    if n == 1:
+        return [next_id(conn, stream, writer)]
     return next_ids(conn, stream, writer, n)
 
 
@@ -136,7 +146,7 @@ def test_out_of_order_commits_move_frontier_and_writer_position(connect, db, str
     assert observe() == (7, 7, 11, "s7")
     seen = []
     for done in (9, 8, 11, 10):
-        sessions[done].execute("COMMIT")
+        durable_commit(sessions[done])
         seen.append(observe())
     assert seen == [
         (7, 7, 11, "s7"),
@@ -152,24 +162,29 @@ def test_out_of_order_commits_move_frontier_and_writer_position(connect, db, str
 
 def test_abort_releases_ids(connect, db, stream):
     """A rolled-back transaction's IDs become a gap: the frontier moves past
-    them as soon as it ends."""
+    them when it ends (at once when the WAL already covers them, else within
+    a second, when the WAL writer flushes)."""
     create_stream(db, stream)
     w = f"{stream}_w"
     commit_ids(db, stream, w, 2)
     a, b = connect(), connect()
     assert hold_ids(a, stream, w) == [3]
     assert hold_ids(b, stream, w) == [4]
-    b.execute("COMMIT")
+    durable_commit(b)
     assert frontier(db, stream) == 2
     a.execute("ROLLBACK")
+    # B's commit flushed the WAL past A's allocation: released at once.
     assert frontier(db, stream) == 4
     assert writer_position(db, stream, w) == 4
     assert in_flight(db, stream) == []
-    # An aborted transaction alone also releases (frontier = max allocated).
+    # An aborted transaction alone also releases (frontier = max allocated),
+    # once the WAL writer has made its sequence values durable.
     assert hold_ids(a, stream, w, 3) == [5, 6, 7]
     assert frontier(db, stream) == 4
     a.execute("ROLLBACK")
-    assert frontier(db, stream) == 7
+    assert in_flight(db, stream) == []
+    wait_until(lambda: frontier(db, stream) == 7, timeout=CATCH_UP_SECONDS, message="frontier 7")
+    assert (writer_position(db, stream, w), max_allocated(db, stream)) == (7, 7)
 
 
 def test_terminated_backend_releases_ids(connect, db, stream):
@@ -183,7 +198,7 @@ def test_terminated_backend_releases_ids(connect, db, stream):
     assert hold_ids(victim, stream, w, 2) == [2, 3]
     other = connect()
     assert hold_ids(other, stream, w) == [4]
-    other.execute("COMMIT")
+    durable_commit(other)
     assert frontier(db, stream) == 1
     assert [r[1] for r in in_flight(db, stream)] == [pid]
 
@@ -228,7 +243,7 @@ def test_savepoint_rollback_keeps_ids_in_flight_until_top_level_end(connect, db,
     assert next_id(a, stream, w) == 2
     assert frontier(db, stream) == 0
     assert [(r[3], r[4], r[5]) for r in in_flight(db, stream)] == [(1, 2, 2)]
-    a.execute("COMMIT")
+    durable_commit(a)
     assert frontier(db, stream) == 2
     assert in_flight(db, stream) == []
 
@@ -266,7 +281,7 @@ def test_two_writers_tokens_positions_and_in_flight(connect, db, stream):
     assert writer_positions(db, stream) == [(wa, ida, 5), (wb, idb, 10)]
     assert in_flight(db, stream) == [(wa, pid_a, xid_a, 6, 8, 3, start_a)]
 
-    a.execute("COMMIT")
+    durable_commit(a)
     assert room_token(db, stream) == "s10"
     assert multi_token(db, stream) == "10"
     assert writer_positions(db, stream) == [(wa, ida, 10), (wb, idb, 10)]
@@ -378,6 +393,8 @@ def test_no_missed_rows_with_random_concurrent_writers_and_readers(connect, db, 
     table = f"{stream}_t"
     db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, writer text NOT NULL)")
     writers = [f"{stream}_w{i}" for i in range(2)]
+    for w in writers:
+        instance_id(db, w)
 
     n_writers, duration = 4, 3.0
     writer_conns = [connect() for _ in range(n_writers)]
@@ -458,7 +475,8 @@ def test_no_missed_rows_with_random_concurrent_writers_and_readers(connect, db, 
     assert final == committed
     assert final.isdisjoint(aborted)
     top = max(committed | aborted)
-    assert frontier(db, stream) == max_allocated(db, stream) == top
+    assert max_allocated(db, stream) == top
+    wait_until(lambda: frontier(db, stream) == top, timeout=CATCH_UP_SECONDS, message=f"frontier {top}")
     assert len(committed) > 30 and len(aborted) > 0
     kinds = {k for k, _, _ in samples}
     assert kinds == {"rc", "rr"} and len(samples) > 100
@@ -483,6 +501,7 @@ def test_lower_bound_is_published_before_nextval(connect, db, stream, pool):
     it would get B's ID if A's lower bound were not published first."""
     create_stream(db, stream)
     wa, wb = f"{stream}_a", f"{stream}_b"
+    instance_id(db, wa)
     idb = instance_id(db, wb)
     assert commit_ids(db, stream, wb, 3) == [1, 2, 3]
     m = 3
@@ -501,7 +520,7 @@ def test_lower_bound_is_published_before_nextval(connect, db, stream, pool):
     )
     b.execute("BEGIN")
     assert next_id(b, stream, wb) == m + 1
-    b.execute("COMMIT")
+    durable_commit(b)
     during = (
         frontier(db, stream),
         writer_position(db, stream, wa),
@@ -515,8 +534,86 @@ def test_lower_bound_is_published_before_nextval(connect, db, stream, pool):
 
     assert fut.result(timeout=10) == m + 2
     assert frontier(db, stream) == m + 1
-    a.execute("COMMIT")
+    durable_commit(a)
     assert frontier(db, stream) == m + 2
+
+
+def test_concurrent_allocations_never_fail(connect, db, stream, pool):
+    """Sessions allocating from one stream at the same moment all succeed,
+    even when the sequence interleaves their IDs and they finish out of
+    order; every ID is handed out once and nothing stays in flight."""
+    create_stream(db, stream)
+    instance_id(db, "w")
+    conns = [connect() for _ in range(4)]
+    n = 20000
+
+    def run(conn, barrier):
+        barrier.wait(timeout=10)
+        try:
+            return ("ok", next_ids(conn, stream, "w", n))
+        except psycopg.Error as e:
+            return ("error", e.diag.sqlstate, e.diag.message_primary, e.diag.message_detail)
+
+    interleaved_rounds, total = 0, 0
+    for round_ in range(6):
+        barrier = threading.Barrier(len(conns))
+        results = [f.result(timeout=60) for f in [pool.submit(run, c, barrier) for c in conns]]
+        errors = [r for r in results if r[0] == "error"]
+        assert not errors, f"round {round_}: {errors}"
+        lists = [r[1] for r in results]
+        everything = [i for ids in lists for i in ids]
+        total += len(everything)
+        assert sorted(everything) == list(range(total - len(everything) + 1, total + 1))
+        if any(ids != list(range(ids[0], ids[0] + n)) for ids in lists):
+            interleaved_rounds += 1
+            if interleaved_rounds == 2:
+                break
+    assert interleaved_rounds > 0, "the sequence never interleaved two sessions' IDs"
+    assert in_flight(db, stream) == []
+    assert max_allocated(db, stream) == total
+    wait_until(lambda: frontier(db, stream) == total, timeout=CATCH_UP_SECONDS, message=f"frontier {total}")
+
+
+def test_writer_position_of_a_brand_new_writer_counts_its_in_flight_ids(connect, db, stream):
+    """A writer's first transaction (which creates its instance row) holds ID
+    k: writer_position() of that writer read from another session is k - 1,
+    not k (a reader filtering that writer's rows by it would miss row k)."""
+    create_stream(db, stream)
+    assert commit_ids(db, stream, f"{stream}_old", 3) == [1, 2, 3]
+    new = f"{stream}_new"  # no instance row yet
+    a = connect()
+    assert hold_ids(a, stream, new) == [4]
+    flush_wal(db)  # ID 4 is durable: it holds back its own writer only
+    assert frontier(db, stream) == 3
+    assert writer_position(db, stream, f"{stream}_old") == 4
+    assert writer_position(db, stream, new) == 3
+
+
+def test_positions_only_name_instances_that_exist(connect, db, stream):
+    """A brand-new writer whose first transaction rolls back leaves no trace:
+    writer_positions() never lists an empty instance name, and every row of
+    stream_positions names an existing instance."""
+    create_stream(db, stream)
+    old = f"{stream}_old"
+    assert commit_ids(db, stream, old, 3) == [1, 2, 3]
+    a = connect()
+    assert hold_ids(a, stream, f"{stream}_new") == [4]
+    flush_wal(db)
+    names_while_in_flight = [r[0] for r in writer_positions(db, stream)]
+    a.execute("ROLLBACK")
+    assert commit_ids(db, stream, old, 1) == [5]
+    wait_until(
+        lambda: stored_positions(db, stream).get(old) == 5,
+        timeout=CATCH_UP_SECONDS,
+        message="the worker to store the position",
+    )
+    orphans = rows(
+        db,
+        "SELECT instance_name, stream_id FROM streampos.stream_positions p WHERE stream_name = %s "
+        "AND NOT EXISTS (SELECT 1 FROM streampos.instances i WHERE i.instance_name = p.instance_name)",
+        (stream,),
+    )
+    assert ("" not in names_while_in_flight, orphans) == (True, [])
 
 
 # =============================================================== 6. backward streams
@@ -533,7 +630,7 @@ def test_backward_stream_counts_down_and_in_flight_holds_it_back(connect, db, st
     a, b = connect(), connect()
     assert hold_ids(a, stream, w) == [-1]
     assert frontier(db, stream) == 0
-    a.execute("COMMIT")
+    durable_commit(a)
     assert frontier(db, stream) == -1
     assert commit_ids(b, stream, w, 3) == [-2, -3, -4]
     assert frontier(db, stream) == -4
@@ -547,7 +644,7 @@ def test_backward_stream_counts_down_and_in_flight_holds_it_back(connect, db, st
     assert writer_position(db, stream, f"{stream}_other") == -7
     assert room_token(db, stream) == "s-4"
     assert [(r[0], r[1], r[3], r[4], r[5]) for r in in_flight(db, stream)] == [(w, pid_a, -6, -5, 2)]
-    a.execute("COMMIT")
+    durable_commit(a)
     assert frontier(db, stream) == -7
     assert room_token(db, stream) == "s-7"
 
@@ -592,12 +689,6 @@ def test_configured_writers(connect, db, stream):
     assert frontier(db, stream) == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="catalog cache keeps a stream row loaded under an older snapshot after the "
-    "generation bump (src/catalog.rs with_cache): a writer added by set_writers() is "
-    "refused with 55000 in a later transaction of that session",
-)
 def test_set_writers_is_seen_by_session_that_read_the_stream_in_an_older_snapshot(connect, db, stream):
     """A session that read the stream inside a REPEATABLE READ transaction
     begun before set_writers() committed must, in its next transaction, let
@@ -613,6 +704,26 @@ def test_set_writers_is_seen_by_session_that_read_the_stream_in_an_older_snapsho
     reader.execute("COMMIT")
     # A new transaction, after set_writers() committed.
     assert next_id(reader, stream, wc) == 1
+
+
+def test_recreated_stream_is_seen_by_session_that_read_it_in_an_older_snapshot(connect, db, stream):
+    """A stream dropped and created again under the same name is, in the
+    next transaction of a session that had read the old one, the new stream:
+    frontier 0, first ID 1."""
+    create_stream(db, stream)
+    assert commit_ids(db, stream, "w", 5) == [1, 2, 3, 4, 5]
+    reader = connect()
+    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert one(reader, "SELECT 1") == 1
+    db.execute("SELECT streampos.drop_stream(%s)", (stream,))
+    create_stream(db, stream)
+    try:
+        frontier(reader, stream)  # the session reads the stream in its old snapshot
+    except psycopg.Error:
+        pass
+    reader.execute("COMMIT")
+    assert frontier(db, stream) == 0
+    assert (frontier(reader, stream), next_id(reader, stream, "w")) == (0, 1)
 
 
 # =============================================================== 8. errors
@@ -679,7 +790,8 @@ def test_prepare_transaction_after_allocation_is_0A000_and_rolls_back(connect, d
     assert a.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert one(db, "SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s", (gid,)) == 0
     assert in_flight(db, stream) == []
-    assert frontier(db, stream) == k == 1
+    assert k == 1
+    wait_until(lambda: frontier(db, stream) == 1, timeout=CATCH_UP_SECONDS, message="frontier 1")
     assert one(db, f"SELECT count(*) FROM {table}") == 0
     # The session goes on normally.
     assert commit_ids(a, stream, w, 1) == [2]
@@ -716,7 +828,11 @@ def _registry_full_case(connect, db, streams, writers):
     a.execute("ROLLBACK")
     for s in set(streams):
         assert in_flight(db, s) == [], f"{s} still has IDs in flight"
-        assert frontier(db, s) == max_allocated(db, s)
+        wait_until(
+            lambda: frontier(db, s) == max_allocated(db, s),
+            timeout=CATCH_UP_SECONDS,
+            message=f"{s}: frontier = max_allocated",
+        )
     return a
 
 
@@ -733,7 +849,7 @@ def test_registry_full_is_53400_with_hint_and_leaks_nothing(connect, db, stream)
     assert [frontier(db, s) for s in streams] == [1] * limit + [0]
     a.execute("BEGIN")
     assert [next_id(a, s, "w") for s in streams[:limit]] == [2] * limit
-    a.execute("COMMIT")
+    durable_commit(a)
     assert [frontier(db, s) for s in streams[:limit]] == [2] * limit
 
 
@@ -757,6 +873,8 @@ def test_stream_positions_catch_up_and_never_run_ahead(connect, db, stream, pool
     up within a second; check_stream() is all ok."""
     create_stream(db, stream)
     writers = [f"{stream}_a", f"{stream}_b"]
+    for w in writers:
+        instance_id(db, w)
     conns = [connect(), connect()]
     stop = threading.Event()
 
@@ -802,7 +920,7 @@ def test_stream_positions_catch_up_and_never_run_ahead(connect, db, stream, pool
     assert n_samples > 20
 
     top = max_allocated(db, stream)
-    assert frontier(db, stream) == top
+    wait_until(lambda: frontier(db, stream) == top, timeout=CATCH_UP_SECONDS, message=f"frontier {top}")
     wait_until(
         lambda: stored_positions(db, stream) == {writers[0]: top, writers[1]: top},
         timeout=max(0.1, CATCH_UP_SECONDS - (time.monotonic() - last_commit)),

@@ -14,6 +14,7 @@ from conftest import (
     connect_raw,
     create_stream,
     expect_error,
+    flush_wal,
     one,
     stored_positions,
     wait_until,
@@ -66,6 +67,10 @@ def test_standby_reads_stored_positions_and_refuses_allocation(connect, stream, 
     holder.execute("BEGIN")
     held = one(holder, "SELECT streampos.next_id(%s, 'b')", (stream,))
     holder.execute(f"INSERT INTO {stream} VALUES (%s, 'b')", (held,))
+    # The in-flight ID is durable once any commit flushed the WAL past its
+    # sequence record (another writer's, in real life); until then it holds
+    # back every writer.
+    flush_wal(primary)
     # An idle writer is at the maximum allocated ID; b is held back.
     wait_until(lambda: stored_positions(primary, stream) == {"a": 4, "b": 3}, message="stored positions")
     a_id = one(primary, "SELECT streampos.instance_id('a')")
