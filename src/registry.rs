@@ -412,6 +412,10 @@ fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
             return Ok((i, locked.streams()[i].loaded));
         }
     }
+    let full = Locked::acquire(false)?.streams().iter().all(|s| s.in_use);
+    if full {
+        forget_dropped_databases()?;
+    }
     let locked = Locked::acquire(true)?;
     let streams = locked.streams();
     if let Some(i) = streams
@@ -439,6 +443,31 @@ fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
     s.db = db;
     s.key = key;
     Ok((i, false))
+}
+
+/// States of databases that no longer exist count as dropped streams. Only
+/// when the registry is full: it reads pg_database.
+fn forget_dropped_databases() -> Result<(), Error> {
+    let existing: Vec<pg_sys::Oid> = pgrx::spi::Spi::connect(|client| {
+        let mut oids = Vec::new();
+        for row in client.select("SELECT oid FROM pg_catalog.pg_database", None, &[])? {
+            if let Some(oid) = row.get::<pg_sys::Oid>(1)? {
+                oids.push(oid);
+            }
+        }
+        Ok::<_, pgrx::spi::SpiError>(oids)
+    })
+    .unwrap_or_default();
+    if existing.is_empty() {
+        return Ok(());
+    }
+    let locked = Locked::acquire(true)?;
+    for s in locked.streams().iter_mut() {
+        if s.in_use && !existing.contains(&s.db) {
+            s.dropped = true;
+        }
+    }
+    Ok(())
 }
 
 /// A dropped stream's state can be reused once nothing refers to it.
