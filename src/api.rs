@@ -330,7 +330,7 @@ pub(crate) fn registry_index(meta: &StreamMeta) -> usize {
     let (index, loaded) = registry::stream_index(meta.key).or_raise();
     if !loaded {
         let max = catalog::sequence_max_allocated(meta);
-        registry::set_loaded(index, max).or_raise();
+        registry::set_loaded(index, max, &catalog::stored_writers(&meta.name)).or_raise();
     }
     index
 }
@@ -511,8 +511,8 @@ fn standby_view(meta: &StreamMeta) -> StreamView {
 }
 
 /// The writers a token or `writer_positions` reports: the configured ones,
-/// or for an open stream every instance seen writing since start-up, holding
-/// IDs now, or with a stored position.
+/// or for an open stream every instance seen writing since start-up (or
+/// with a stored position when the stream was first used) or holding IDs now.
 pub(crate) fn writer_ids(meta: &StreamMeta, v: &StreamView) -> Vec<i32> {
     let mut ids: Vec<i32> = match &meta.writers {
         Some(names) => names
@@ -525,7 +525,6 @@ pub(crate) fn writer_ids(meta: &StreamMeta, v: &StreamView) -> Vec<i32> {
                 frontier::HeldBy::Writer(w) => Some(w),
                 frontier::HeldBy::AllWriters => None,
             }));
-            ids.extend(catalog::stored_writers(&meta.name));
             ids
         }
     };

@@ -35,6 +35,9 @@ struct Header {
     ring_cap: u32,
     n_slots: u32,
     per_slot: u32,
+    /// The finished ring is a FIFO in commit order: `ring_head` is the
+    /// oldest entry, `ring_used` the number of entries.
+    ring_head: u32,
     ring_used: u32,
     /// Bumped by every change to the stream catalog; backends drop their
     /// cached catalog rows when it moves.
@@ -315,6 +318,47 @@ impl Locked {
         }
     }
 
+    /// The finished entries, oldest first.
+    fn ring_entries(&self) -> impl Iterator<Item = &Finished> + '_ {
+        let h = self.h();
+        let (head, used, cap) = (
+            h.ring_head as usize,
+            h.ring_used as usize,
+            h.ring_cap as usize,
+        );
+        let ring: &[Finished] = self.ring();
+        (0..used).map(move |k| &ring[(head + k) % cap])
+    }
+
+    /// Append at the tail; when full, the oldest entry makes room and is
+    /// returned.
+    fn ring_push(&self, entry: Finished) -> Option<Finished> {
+        let h = self.h();
+        let cap = h.ring_cap as usize;
+        let ring = self.ring();
+        if (h.ring_used as usize) < cap {
+            ring[(h.ring_head as usize + h.ring_used as usize) % cap] = entry;
+            h.ring_used += 1;
+            None
+        } else {
+            let evicted = ring[h.ring_head as usize];
+            ring[h.ring_head as usize] = entry;
+            h.ring_head = ((h.ring_head as usize + 1) % cap) as u32;
+            Some(evicted)
+        }
+    }
+
+    /// Drop entries from the head while `done` says they are no longer needed.
+    fn ring_pop_while(&self, done: impl Fn(&Finished) -> bool) {
+        let h = self.h();
+        let cap = h.ring_cap as usize;
+        let ring = self.ring();
+        while h.ring_used > 0 && done(&ring[h.ring_head as usize]) {
+            h.ring_head = ((h.ring_head as usize + 1) % cap) as u32;
+            h.ring_used -= 1;
+        }
+    }
+
     fn slot_headers(&self) -> &mut [SlotHeader] {
         let n = self.h().n_slots as usize;
         unsafe {
@@ -482,10 +526,7 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
     let h = locked.h();
     'next: for i in candidates {
         let i32_index = i as i32;
-        if locked.ring()[..h.ring_used as usize]
-            .iter()
-            .any(|f| f.stream == i32_index)
-        {
+        if locked.ring_entries().any(|f| f.stream == i32_index) {
             continue;
         }
         for slot in 0..h.n_slots as usize {
@@ -502,12 +543,20 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
 /// Record the maximum allocated ID read from the sequence, unless another
 /// backend did first. Allocations only start once it is known, so a value
 /// read before any allocation since start-up is exact.
-pub fn set_loaded(index: usize, max_allocated: i64) -> Result<(), Error> {
+/// `stored_writers`: instances with a stored position, remembered as seen
+/// so that tokens list them without reading the table on every call.
+pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> Result<(), Error> {
     let locked = Locked::acquire(true)?;
     let s = &mut locked.streams()[index];
     if !s.loaded {
         s.loaded = true;
         s.max_allocated = max_allocated;
+        for &w in stored_writers.iter().take(SEEN_WRITERS) {
+            if !s.seen[..s.n_seen as usize].contains(&w) {
+                s.seen[s.n_seen as usize] = w;
+                s.n_seen += 1;
+            }
+        }
     }
     Ok(())
 }
@@ -647,7 +696,6 @@ pub fn end_transaction(committed: bool) {
         let completion_count = (*pg_sys::ShmemVariableCache).xactCompletionCount;
         let locked = Locked::acquire_raw(HEADER, true);
         let h = locked.h();
-        let ring_cap = h.ring_cap as usize;
         // Streams to wake, without allocating.
         let mut woken = [usize::MAX; 16];
         let mut n_woken = 0;
@@ -678,24 +726,10 @@ pub fn end_transaction(committed: bool) {
                     aborted: !committed,
                     lsn,
                 };
-                let used = h.ring_used as usize;
-                if used < ring_cap {
-                    locked.ring()[used] = entry;
-                    h.ring_used += 1;
-                } else {
-                    // Full: fold the oldest entry into its stream's summary
-                    // and take its place. The oldest is the one fresh
-                    // snapshots most surely see (its xid is below their
-                    // xmin), so only old snapshots pay for the summary.
-                    let ring = locked.ring();
-                    let mut oldest = 0;
-                    for (i, f) in ring.iter().enumerate() {
-                        if pg_sys::TransactionIdPrecedes(f.xid, ring[oldest].xid) {
-                            oldest = i;
-                        }
-                    }
-                    let evicted = ring[oldest];
-                    ring[oldest] = entry;
+                // Full: the oldest entry (first committed) makes room and is
+                // folded into its stream's summary. Fresh snapshots surely
+                // see the oldest commits, so only old snapshots pay for it.
+                if let Some(evicted) = locked.ring_push(entry) {
                     fold_into_summary(
                         &mut locked.streams()[evicted.stream as usize].summary,
                         evicted.xid,
@@ -810,20 +844,13 @@ pub fn prune() -> Result<(), Error> {
     let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(ptr::null_mut()) };
     let flushed = flushed_lsn();
     let locked = Locked::acquire(true)?;
-    let h = locked.h();
-    let ring = locked.ring();
-    let mut i = 0;
-    while i < h.ring_used as usize {
-        let f = &ring[i];
+    // From the head only (FIFO): an entry still needed keeps the younger
+    // ones for a while, which costs readers a little scanning, nothing else.
+    locked.ring_pop_while(|f| {
         let durable = f.lsn <= flushed;
         let seen_by_all = f.aborted || unsafe { pg_sys::TransactionIdPrecedes(f.xid, horizon) };
-        if durable && seen_by_all {
-            h.ring_used -= 1;
-            ring[i] = ring[h.ring_used as usize];
-        } else {
-            i += 1;
-        }
-    }
+        durable && seen_by_all
+    });
     for s in locked.streams().iter_mut() {
         if s.summary.valid
             && s.summary.lsn <= flushed
@@ -900,7 +927,6 @@ pub fn view(
     // conservative.
     let flushed = flushed_lsn();
     let locked = Locked::acquire(false)?;
-    let h = locked.h();
     let s = locked.streams()[stream];
     if !matches(&s, key) {
         return Ok(Err(Stale));
@@ -929,7 +955,7 @@ pub fn view(
             }
         }
     }
-    for f in locked.ring()[..h.ring_used as usize].iter() {
+    for f in locked.ring_entries() {
         if f.stream != stream_i32 {
             continue;
         }

@@ -12,6 +12,9 @@ use pgrx::IntoDatum;
 
 use crate::{catalog, guc, registry};
 
+/// How often the worker forgets finished entries every snapshot sees.
+const PRUNE_INTERVAL_MS: u64 = 20;
+
 thread_local! {
     static LAST_CHECK: std::cell::Cell<pg_sys::TimestampTz> = const { std::cell::Cell::new(0) };
 }
@@ -60,23 +63,32 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         return;
     }
     let mut written: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
+    let mut last_store: Option<std::time::Instant> = None;
     loop {
+        // Prune often: the finished ring is what readers scan.
+        let running = BackgroundWorker::wait_latch(Some(Duration::from_millis(PRUNE_INTERVAL_MS)));
+        let _ = registry::prune();
         let interval = Duration::from_millis(guc::POSITION_INTERVAL_MS.get().max(10) as u64);
-        let running = BackgroundWorker::wait_latch(Some(interval));
-        let pass = std::panic::AssertUnwindSafe(&mut written);
-        let keep_going = BackgroundWorker::transaction(move || {
-            let pass = pass;
-            store_positions(pass.0)
-        });
-        if !running || !keep_going || BackgroundWorker::sigterm_received() {
+        let stopping = !running || BackgroundWorker::sigterm_received();
+        if stopping || last_store.is_none_or(|t| t.elapsed() >= interval) {
+            last_store = Some(std::time::Instant::now());
+            let pass = std::panic::AssertUnwindSafe(&mut written);
+            let keep_going = BackgroundWorker::transaction(move || {
+                let pass = pass;
+                store_positions(pass.0)
+            });
+            if !keep_going {
+                break;
+            }
+        }
+        if stopping {
             break;
         }
     }
     registry::release_worker_slot(db);
 }
 
-/// One pass: prune the finished ring, then store the positions of streams
-/// that moved. Returns false when the extension is gone from the database.
+/// One pass: store the positions of streams that moved. Returns false when the extension is gone from the database.
 fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
     let present: Option<bool> =
         Spi::get_one("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'streampos'")
@@ -84,7 +96,6 @@ fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
     if present.is_none() {
         return false;
     }
-    let _ = registry::prune();
     let db = unsafe { pg_sys::MyDatabaseId };
     let moved: Vec<(i32, u64)> = registry::streams_of(db)
         .into_iter()

@@ -38,7 +38,6 @@ import torture
 # Readers sampling modes for runs whose subject is something else (a crash):
 # stmt_filter exercises frontier()'s stability within one statement, which
 # has its own tests below.
-MODES_WITHOUT_FILTER = tuple(m for m in torture.MODES if m != "stmt_filter")
 
 
 def conninfo():
@@ -86,22 +85,19 @@ def assert_nothing_left(conn):
 def test_short_torture(database, stream):
     """6 writers over 3 instances, 4 readers, ~25 s: no sample misses a
     committed row, no position goes backwards, the frontier reaches
-    max_allocated, and the table holds exactly the committed rows.
-
-    The one-statement FILTER form (stmt_filter) is left to its own tests
-    below: it fails only when an abort lands inside a statement, so here it
-    would make this test's verdict a matter of luck."""
-    r = torture.run(conninfo(), stream, seconds=25, writers=6, instances=3, readers=4, modes=MODES_WITHOUT_FILTER)
+    max_allocated, and the table holds exactly the committed rows. All five
+    reader modes, the one-statement FILTER form included."""
+    r = torture.run(conninfo(), stream, seconds=25, writers=6, instances=3, readers=4)
     print(torture.summary_line(r))
     assert_clean_run(r, min_commits=1000)
-    assert all(r["samples_by_mode"][m] > 20 for m in MODES_WITHOUT_FILTER), r["samples_by_mode"]
+    assert all(r["samples_by_mode"][m] > 20 for m in torture.MODES), r["samples_by_mode"]
 
 
 def test_short_torture_backward_stream(database, stream):
     """The same on a backward stream (IDs -1, -2, ...; "at or below F" means
     id >= F): nothing missed, nothing going backwards, exact rows."""
     r = torture.run(
-        conninfo(), stream, seconds=8, writers=4, instances=2, readers=3, backwards=True, modes=MODES_WITHOUT_FILTER
+        conninfo(), stream, seconds=8, writers=4, instances=2, readers=3, backwards=True
     )
     print(torture.summary_line(r))
     assert r["backwards"] and r["frontier"] < 0
@@ -223,7 +219,7 @@ def test_torture_while_an_old_snapshot_holds_the_horizon(connect, stream):
     try:
         _fill_ring(c, stream, ring + 10)
         r = torture.run(
-            conninfo(), stream, seconds=8, readers=3, modes=MODES_WITHOUT_FILTER, verify_at_end=False
+            conninfo(), stream, seconds=8, readers=3, verify_at_end=False
         )
     finally:
         holder.execute("COMMIT")
@@ -601,7 +597,6 @@ def test_immediate_shutdown_during_torture(connect, stream):
     def load():
         holder["r"] = torture.run(
             conninfo(), stream, seconds=60, readers=3, tolerate_disconnect=True, verify_at_end=False,
-            modes=MODES_WITHOUT_FILTER,
         )
 
     t = threading.Thread(target=load, daemon=True)
@@ -631,7 +626,7 @@ def test_immediate_shutdown_during_torture(connect, stream):
 
     # Phase two on the same stream; then phase one's samples again, against
     # rows committed after the restart (IDs handed out twice would show here).
-    r2 = torture.run(conninfo(), stream, seconds=8, readers=3, modes=MODES_WITHOUT_FILTER)
+    r2 = torture.run(conninfo(), stream, seconds=8, readers=3)
     print(torture.summary_line(r), "|", torture.summary_line(r2))
     assert_clean_run(r2, min_commits=100)
     assert r2["frontier"] > front
@@ -720,7 +715,6 @@ def test_kill_9_of_a_backend_holding_ids(connect, stream):
     def load():
         holder["r"] = torture.run(
             conninfo(), stream, seconds=60, readers=2, tolerate_disconnect=True, verify_at_end=False,
-            modes=MODES_WITHOUT_FILTER,
         )
 
     t = threading.Thread(target=load, daemon=True)
@@ -752,5 +746,5 @@ def test_kill_9_of_a_backend_holding_ids(connect, stream):
     i = one(c, f"INSERT INTO {r['table']} VALUES (streampos.next_id(%s, 'torture_w1'), 'torture_w1', 'after') RETURNING id", (stream,))
     c.execute("COMMIT")
     assert one(c, "SELECT streampos.frontier(%s)", (stream,)) == i == one(c, "SELECT streampos.max_allocated(%s)", (stream,))
-    r2 = torture.run(conninfo(), stream, seconds=4, readers=2, modes=MODES_WITHOUT_FILTER)
+    r2 = torture.run(conninfo(), stream, seconds=4, readers=2)
     assert_clean_run(r2, min_commits=50)
