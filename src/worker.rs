@@ -72,6 +72,9 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         let stopping = !running || BackgroundWorker::sigterm_received();
         if stopping || last_store.is_none_or(|t| t.elapsed() >= interval) {
             last_store = Some(std::time::Instant::now());
+            // Each pass is a statement of its own: readers' answers are
+            // cached per statement (see api::view).
+            unsafe { pg_sys::SetCurrentStatementStartTimestamp() };
             let pass = std::panic::AssertUnwindSafe(&mut written);
             let keep_going = BackgroundWorker::transaction(move || {
                 let pass = pass;
@@ -86,6 +89,51 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         }
     }
     registry::release_worker_slot(db);
+}
+
+/// Store one stream's positions (the same a reader in this snapshot gets)
+/// and notify listeners.
+fn store_stream(stream: &str) {
+    catalog::run(
+        "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
+         SELECT $1, instance_name, stream_id FROM streampos.writer_positions($1) \
+         ON CONFLICT (stream_name, instance_name) DO UPDATE \
+         SET stream_id = EXCLUDED.stream_id \
+         WHERE abs(EXCLUDED.stream_id) > abs(stream_positions.stream_id)",
+        &[stream.into()],
+    );
+    // Followers that prefer LISTEN to long-polling: one notification per
+    // advance, from here, never from the writers' commits (NOTIFY takes a
+    // lock that would serialise them).
+    catalog::run(
+        "SELECT pg_catalog.pg_notify('streampos', $1 || ' ' || streampos.current_token($1)::text)",
+        &[stream.into()],
+    );
+}
+
+/// Run `f` in a subtransaction; an ERROR rolls it back and returns false.
+fn in_subtransaction(
+    f: impl FnOnce() + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
+) -> bool {
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        let ok = PgTryBuilder::new(move || {
+            f();
+            true
+        })
+        .catch_others(|_| false)
+        .execute();
+        if ok {
+            pg_sys::ReleaseCurrentSubTransaction();
+        } else {
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+        }
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+        ok
+    }
 }
 
 /// One pass: store the positions of streams that moved. Returns false when the extension is gone from the database.
@@ -107,45 +155,14 @@ fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
     }
     let streams = catalog::streams_by_key();
     for (key, generation) in moved {
-        let Some(meta) = streams.get(&key) else {
-            written.insert(key, generation);
-            continue;
-        };
-        // The same positions a reader in this snapshot gets.
-        let rows: Vec<(String, String, i64)> = Spi::connect(|client| {
-            client
-                .select(
-                    "SELECT $1::text, instance_name, stream_id FROM streampos.writer_positions($1)",
-                    None,
-                    &[meta.name.as_str().into()],
-                )
-                .map(|table| {
-                    table
-                        .filter_map(|row| {
-                            let name = row.get::<String>(2).ok().flatten()?;
-                            let id = row.get::<i64>(3).ok().flatten()?;
-                            Some((meta.name.clone(), name, id))
-                        })
-                        .collect()
-                })
-        })
-        .unwrap_or_default();
-        for (stream, instance, id) in rows {
-            catalog::run(
-                "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
-                 VALUES ($1, $2, $3) ON CONFLICT (stream_name, instance_name) DO UPDATE \
-                 SET stream_id = EXCLUDED.stream_id \
-                 WHERE abs(EXCLUDED.stream_id) > abs(stream_positions.stream_id)",
-                &[stream.into(), instance.into(), id.into()],
-            );
+        if let Some(meta) = streams.get(&key) {
+            // A stream dropped in the middle of the pass must not take the
+            // worker down with it: each stream in a subtransaction.
+            let name = meta.name.clone();
+            if !in_subtransaction(move || store_stream(&name)) {
+                continue;
+            }
         }
-        // Followers that prefer LISTEN to long-polling: one notification per
-        // advance, from here, never from the writers' commits (NOTIFY takes a
-        // lock that would serialise them).
-        catalog::run(
-            "SELECT pg_catalog.pg_notify('streampos', $1 || ' ' || streampos.current_token($1)::text)",
-            &[meta.name.as_str().into()],
-        );
         written.insert(key, generation);
     }
     true

@@ -72,7 +72,12 @@ def test_standby_reads_stored_positions_and_refuses_allocation(connect, stream, 
     # back every writer.
     flush_wal(primary)
     # An idle writer is at the maximum allocated ID; b is held back.
-    wait_until(lambda: stored_positions(primary, stream) == {"a": 4, "b": 3}, message="stored positions")
+    expected = {"a": 4, "b": 3}
+    wait_until(
+        lambda: stored_positions(primary, stream) == expected,
+        timeout=10,
+        message=f"stored positions {expected} (have {stored_positions(primary, stream)})",
+    )
     a_id = one(primary, "SELECT streampos.instance_id('a')")
 
     with connect_raw(port=standby["port"]) as replica:
