@@ -69,6 +69,9 @@ struct Summary {
     completion_count: u64,
     /// The highest WAL position the folded allocations need flushed.
     lsn: u64,
+    /// `latestCompletedXid` at the last fold: a snapshot whose xmax is past
+    /// it + 1 saw a later completion, so it was taken after the fold.
+    latest_completed: TransactionId,
 }
 
 #[repr(C)]
@@ -694,6 +697,9 @@ pub fn end_transaction(committed: bool) {
         // Read without our lock; cannot raise an error. Our own completion
         // is already counted (ProcArrayEndTransaction ran).
         let completion_count = (*pg_sys::ShmemVariableCache).xactCompletionCount;
+        let latest_completed = TransactionId::from_inner(
+            (*pg_sys::ShmemVariableCache).latestCompletedXid.value as u32,
+        );
         let locked = Locked::acquire_raw(HEADER, true);
         let h = locked.h();
         // Streams to wake, without allocating.
@@ -736,6 +742,7 @@ pub fn end_transaction(committed: bool) {
                         evicted.min_id,
                         completion_count,
                         evicted.lsn,
+                        latest_completed,
                     );
                 }
             }
@@ -783,6 +790,7 @@ fn fold_into_summary(
     min_id: i64,
     completion_count: u64,
     lsn: u64,
+    latest_completed: TransactionId,
 ) {
     if !summary.valid {
         *summary = Summary {
@@ -792,8 +800,12 @@ fn fold_into_summary(
             min_id,
             completion_count,
             lsn,
+            latest_completed,
         };
         return;
+    }
+    if unsafe { pg_sys::TransactionIdPrecedes(summary.latest_completed, latest_completed) } {
+        summary.latest_completed = latest_completed;
     }
     summary.completion_count = summary.completion_count.max(completion_count);
     summary.lsn = summary.lsn.max(lsn);
@@ -873,9 +885,10 @@ unsafe fn invisible(xid: TransactionId, snapshot: pg_sys::Snapshot) -> bool {
     unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
 }
 
-/// Does `snapshot` see every committed transaction in [min_xid, max_xid]?
-/// Conservative: any running transaction of the snapshot inside the range
-/// makes the whole summary count as in flight.
+/// Does `snapshot` see every transaction folded into the summary? All of
+/// them committed, within [min_xid, max_xid], before the last fold.
+/// Conservative: a transaction the snapshot saw running, inside the range and
+/// committed since, may be one of them.
 unsafe fn sees_all(summary: &Summary, snapshot: pg_sys::Snapshot) -> bool {
     unsafe {
         let snap = &*snapshot;
@@ -888,13 +901,24 @@ unsafe fn sees_all(summary: &Summary, snapshot: pg_sys::Snapshot) -> bool {
         if pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmin) {
             return true;
         }
+        // xmax - 1 is the latest completed xid when the snapshot was taken:
+        // past the one recorded at the last fold means taken after it.
+        let after_fold =
+            TransactionId::from_inner(summary.latest_completed.into_inner().wrapping_add(1));
+        if pg_sys::TransactionIdPrecedes(after_fold, snap.xmax) {
+            return true;
+        }
         if snap.takenDuringRecovery || !pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmax) {
             return false;
         }
+        // A running xid of the snapshot inside the range may be a folded
+        // transaction, unless it has not committed (folded ones all have):
+        // typically a long transaction that is still running.
         let xip = std::slice::from_raw_parts(snap.xip, snap.xcnt as usize);
         !xip.iter().any(|&x| {
             !pg_sys::TransactionIdPrecedes(x, summary.min_xid)
                 && !pg_sys::TransactionIdPrecedes(summary.max_xid, x)
+                && pg_sys::TransactionIdDidCommit(x)
         })
     }
 }
