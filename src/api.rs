@@ -209,19 +209,14 @@ fn spi_two<A: FromDatum + IntoDatum, B: FromDatum + IntoDatum>(
     query: &str,
     args: &[DatumWithOid],
 ) -> (Option<A>, Option<B>) {
-    match Spi::connect(|client| {
-        client
-            .select(query, Some(1), args)?
-            .first()
-            .get_two::<A, B>()
-    }) {
-        Ok(v) => v,
-        Err(e) => Error::InvalidState {
-            message: format!("catalog query failed: {e}"),
-            detail: None,
+    catalog::spi(Spi::connect(|client| {
+        let table = client.select(query, Some(1), args)?;
+        if table.is_empty() {
+            Ok((None, None))
+        } else {
+            table.first().get_two::<A, B>()
         }
-        .report(),
-    }
+    }))
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -713,26 +708,23 @@ fn check_stream(
 
     let seq_max = catalog::sequence_max_allocated(&meta);
     // Highest ID (internal numbering) found in the stream's tables.
-    let tables: Vec<(String, String)> = match Spi::connect(
+    let tables: Vec<(String, String)> = catalog::spi(Spi::connect(
         |client| -> pgrx::spi::SpiResult<Vec<(String, String)>> {
             let mut v = Vec::new();
             for row in client.select(
-            "SELECT tbl::text, quote_ident(id_column) FROM streampos.stream_tables WHERE stream_name = $1 ORDER BY tbl::text",
-            None,
-            &[stream.into()],
-        )? {
-            v.push((row.get::<String>(1)?.unwrap_or_default(), row.get::<String>(2)?.unwrap_or_default()));
-        }
+                "SELECT tbl::text, quote_ident(id_column) FROM streampos.stream_tables \
+                 WHERE stream_name = $1 ORDER BY tbl::text",
+                None,
+                &[stream.into()],
+            )? {
+                v.push((
+                    row.get::<String>(1)?.unwrap_or_default(),
+                    row.get::<String>(2)?.unwrap_or_default(),
+                ));
+            }
             Ok(v)
         },
-    ) {
-        Ok(v) => v,
-        Err(e) => Error::InvalidState {
-            message: format!("catalog query failed: {e}"),
-            detail: None,
-        }
-        .report(),
-    };
+    ));
     let mut needed = seq_max;
     for (table, column) in &tables {
         let agg = if meta.backwards {

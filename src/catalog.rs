@@ -104,7 +104,9 @@ pub fn first_one<T: FromDatum + IntoDatum>(table: SpiTupleTable) -> SpiResult<Op
     }
 }
 
-fn spi<T>(result: SpiResult<T>) -> T {
+/// The value of an SPI call; an SPI-level failure (not an SQL error, which
+/// PostgreSQL raises itself) becomes an ERROR.
+pub fn spi<T>(result: SpiResult<T>) -> T {
     match result {
         Ok(v) => v,
         Err(e) => Error::InvalidState {
@@ -115,20 +117,19 @@ fn spi<T>(result: SpiResult<T>) -> T {
     }
 }
 
+/// Stream names are 1 to 59 bytes: the owned sequence is "<name>_seq".
 pub fn validate_stream_name(name: &str) -> Result<(), Error> {
-    if name.is_empty() || name.len() > 59 {
-        return Err(Error::InvalidArgument {
-            message: "stream name must be 1 to 59 bytes long".into(),
-            detail: Some(format!("The name given is {} bytes long.", name.len())),
-        });
-    }
-    Ok(())
+    validate_name("stream", name, 59)
 }
 
 pub fn validate_instance_name(name: &str) -> Result<(), Error> {
-    if name.is_empty() || name.len() > 63 {
+    validate_name("instance", name, 63)
+}
+
+fn validate_name(what: &str, name: &str, max: usize) -> Result<(), Error> {
+    if name.is_empty() || name.len() > max {
         return Err(Error::InvalidArgument {
-            message: "instance name must be 1 to 63 bytes long".into(),
+            message: format!("{what} name must be 1 to {max} bytes long"),
             detail: Some(format!("The name given is {} bytes long.", name.len())),
         });
     }

@@ -119,14 +119,7 @@ fn stream_tables(stream: &str) -> Vec<StreamTable> {
         }
         Ok(tables)
     });
-    match result {
-        Ok(t) => t,
-        Err(e) => Error::InvalidState {
-            message: format!("catalog query failed: {e}"),
-            detail: None,
-        }
-        .report(),
-    }
+    catalog::spi(result)
 }
 
 /// Rows of one table with since < position <= until (per writer) and
