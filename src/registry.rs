@@ -688,7 +688,7 @@ pub fn end_transaction(committed: bool) {
             // out again. Rare: nextval logs once per 32 values and after a
             // checkpoint. XLogFlush raises no ERROR (a WAL write failure is a
             // PANIC anywhere). Our own slot: nobody else writes it.
-            let needed = (*HEADER).slot_lsn_max(procno as usize);
+            let needed = own_slot_lsn_max(procno as usize);
             if needed > flushed {
                 pg_sys::XLogFlush(needed);
                 flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
@@ -767,15 +767,23 @@ pub fn end_transaction(committed: bool) {
     }
 }
 
-impl Header {
-    /// The highest WAL position this backend's entries need durable.
-    /// Reads only the caller's own slot, which only it writes.
-    unsafe fn slot_lsn_max(&mut self, slot: usize) -> u64 {
-        let locked = std::mem::ManuallyDrop::new(Locked {
-            header: self as *mut Header,
-        });
-        locked
-            .slot(slot)
+/// The highest WAL position this backend's entries need durable. Reads
+/// only the caller's own slot, which only the caller writes: no lock.
+///
+/// # Safety
+/// The registry must be initialised and `slot` must be the caller's.
+unsafe fn own_slot_lsn_max(slot: usize) -> u64 {
+    unsafe {
+        let h = &*HEADER;
+        let l = layout(
+            h.n_streams as usize,
+            h.ring_cap as usize,
+            h.n_slots as usize,
+            h.per_slot as usize,
+        );
+        let per = h.per_slot as usize;
+        let entries = (HEADER as *const u8).add(l.entries) as *const Active;
+        std::slice::from_raw_parts(entries.add(slot * per), per)
             .iter()
             .filter(|a| a.stream >= 0)
             .map(|a| a.lsn)
@@ -1253,7 +1261,7 @@ pub fn flush_before_commit() {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
-        let needed = (*HEADER).slot_lsn_max(procno as usize);
+        let needed = own_slot_lsn_max(procno as usize);
         if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
             pg_sys::XLogFlush(needed);
         }
