@@ -325,7 +325,11 @@ pub(crate) fn registry_index(meta: &StreamMeta) -> usize {
     let (index, loaded) = registry::stream_index(meta.key).or_raise();
     if !loaded {
         let max = catalog::sequence_max_allocated(meta);
-        registry::set_loaded(index, max, &catalog::stored_writers(&meta.name)).or_raise();
+        let stored: Vec<i32> = catalog::stored_positions(&meta.name)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        registry::set_loaded(index, max, &stored).or_raise();
     }
     index
 }

@@ -307,24 +307,6 @@ pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
     }))
 }
 
-/// Instance ids with a stored position for the stream.
-pub fn stored_writers(stream: &str) -> Vec<i32> {
-    spi(Spi::connect(|client| -> SpiResult<Vec<i32>> {
-        let mut ids = Vec::new();
-        for row in client.select(
-            "SELECT i.instance_id FROM streampos.stream_positions p \
-             JOIN streampos.instances i USING (instance_name) WHERE p.stream_name = $1",
-            None,
-            &[stream.into()],
-        )? {
-            if let Some(id) = row.get::<i32>(1)? {
-                ids.push(id);
-            }
-        }
-        Ok(ids)
-    }))
-}
-
 /// Run a statement that changes the catalog.
 pub fn run(query: &str, args: &[DatumWithOid]) {
     spi(Spi::connect_mut(|client| {
