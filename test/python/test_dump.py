@@ -4,7 +4,7 @@ and the streams' sequences survive a dump and restore into a new database."""
 import os
 import subprocess
 
-from conftest import PG_BIN, PGHOST, PGPORT, connect_raw, create_stream, one, rows, wait_until
+from support import PG_BIN, PGHOST, PGPORT, connect_raw, create_stream, one, rows, wait_until
 
 
 def pg(tool, *args):

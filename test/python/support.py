@@ -1,17 +1,14 @@
-"""Fixtures for the concurrent-session tests of streampos.
+"""Helpers for the concurrent-session tests of streampos: connections,
+queries, durability, waiting and server control. Fixtures are in conftest.py.
 
 The runner (scripts/test) starts a cluster with streampos preloaded and sets
-STREAMPOS_PGHOST, STREAMPOS_PGPORT and STREAMPOS_PGDATA. Every test gets
-autocommit connections to the database ``streampos_pytest`` (created once per
-session) and a stream name of its own, so tests never see each other's state.
+STREAMPOS_PGHOST, STREAMPOS_PGPORT and STREAMPOS_PGDATA.
 """
 
+
 import os
-import re
 import subprocess
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -153,6 +150,28 @@ def wait_until(predicate, timeout=5.0, interval=0.02, message="condition"):
         time.sleep(interval)
 
 
+# --------------------------------------------------------------- streams
+
+
+def drop_streams(prefix):
+    """Drop every stream whose name starts with ``prefix``: a dropped
+    stream's registry slot can be reused, while the slots of streams in a
+    dropped database stay taken until the server restarts
+    (streampos.max_streams is cluster-wide)."""
+    with connect_raw(connect_timeout=5) as c:
+        c.execute("SET lock_timeout = '2s'")
+        names = rows(
+            c,
+            "SELECT stream_name FROM streampos.streams WHERE starts_with(stream_name, %s)",
+            (prefix,),
+        )
+        for (name,) in names:
+            try:
+                c.execute("SELECT streampos.drop_stream(%s)", (name,))
+            except psycopg.Error:
+                pass
+
+
 # --------------------------------------------------------------- server control
 
 
@@ -204,117 +223,3 @@ def wait_for_server(timeout=60.0):
     wait_until(ready, timeout=timeout, interval=0.1, message="the server to accept connections")
 
 
-# --------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def database():
-    """(Re)create the test database with the extension; start the position
-    worker early with one allocation, so tests measure catch-up, not start-up."""
-    with connect_raw("postgres") as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {DBNAME} WITH (FORCE)")
-        admin.execute(f"CREATE DATABASE {DBNAME}")
-    with connect_raw() as c:
-        c.execute("CREATE EXTENSION streampos")
-        create_stream(c, "warmup")
-        c.execute("SELECT streampos.next_id('warmup', 'warmup')")
-        wait_until(
-            lambda: stored_positions(c, "warmup").get("warmup") == 1,
-            timeout=10,
-            message="the position worker to start",
-        )
-    yield DBNAME
-    try:
-        drop_streams("warmup")
-    except psycopg.Error:
-        pass
-
-
-class Connections:
-    """Connection factory: every connection it makes is closed at teardown,
-    then the registered clean-ups run (when no session of the test holds
-    anything any more)."""
-
-    def __init__(self):
-        self._conns = []
-        self._cleanups = []
-
-    def __call__(self, **kwargs):
-        conn = connect_raw(**kwargs)
-        self._conns.append(conn)
-        return conn
-
-    def on_teardown(self, fn):
-        self._cleanups.append(fn)
-
-    def close_all(self):
-        for conn in self._conns:
-            try:
-                conn.close()
-            except Exception:
-                pass
-        self._conns.clear()
-        for fn in reversed(self._cleanups):
-            try:
-                fn()
-            except Exception:
-                pass
-        self._cleanups.clear()
-
-
-def drop_streams(prefix):
-    """Drop every stream whose name starts with ``prefix``: a dropped
-    stream's registry slot can be reused, while the slots of streams in a
-    dropped database stay taken until the server restarts
-    (streampos.max_streams is cluster-wide)."""
-    with connect_raw(connect_timeout=5) as c:
-        c.execute("SET lock_timeout = '2s'")
-        names = rows(
-            c,
-            "SELECT stream_name FROM streampos.streams WHERE starts_with(stream_name, %s)",
-            (prefix,),
-        )
-        for (name,) in names:
-            try:
-                c.execute("SELECT streampos.drop_stream(%s)", (name,))
-            except psycopg.Error:
-                pass
-
-
-@pytest.fixture
-def connect(database):
-    """``connect()`` returns a new autocommit session to the test database."""
-    factory = Connections()
-    yield factory
-    factory.close_all()
-
-
-@pytest.fixture
-def db(connect):
-    """An observer session, for reading from outside the writers' transactions."""
-    return connect()
-
-
-_counter = 0
-
-
-@pytest.fixture
-def stream(request, connect):
-    """A stream name unique to this test (not yet created). Streams whose
-    name starts with it are dropped after the test's sessions are closed."""
-    global _counter
-    _counter += 1
-    base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower()).strip("_")
-    base = base.removeprefix("test_")[:28]
-    name = f"{base}_{_counter}_{uuid.uuid4().hex[:6]}"
-    connect.on_teardown(lambda: drop_streams(name))
-    return name
-
-
-@pytest.fixture
-def pool():
-    """Threads, for calls that must block while the test goes on."""
-    executor = ThreadPoolExecutor(max_workers=16)
-    yield executor
-    # Every blocking call in these tests is bounded; do not hang on a failure.
-    executor.shutdown(wait=False, cancel_futures=True)

@@ -3,7 +3,7 @@ streams are dropped, or their database is."""
 
 import psycopg
 
-from conftest import connect_raw, create_stream, one
+from support import connect_raw, create_stream, one
 
 
 def test_slots_of_a_dropped_database_are_reused(connect, stream):

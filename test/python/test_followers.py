@@ -8,7 +8,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import create_stream, expect_error, one
+from support import create_stream, expect_error, one
 
 WRITERS = ["w1", "w2", "w3", "w4"]
 

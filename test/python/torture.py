@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Torture harness for streampos: many writers, many readers, one stream.
 
-    python3 tests/torture.py --host 127.0.0.1 --port 54330 --dbname D \\
+    python3 test/python/torture.py --host 127.0.0.1 --port 54330 --dbname D \\
         [--seconds 30 | --commits 100000] [--writers 6] [--instances 3] \\
         [--readers 4] [--stream torture] [--backwards] [--modes rc,rr,...]
 

@@ -7,7 +7,7 @@ explicit (BEGIN ... COMMIT/ROLLBACK). Threads are used only where a call must
 block while the test goes on. Every loop is bounded in time and count.
 
 IDs count as finished once their transaction ended and their sequence values
-are durable (see conftest.durable_commit): positions are asserted exactly
+are durable (see support.durable_commit): positions are asserted exactly
 right after a durable commit, and polled (bounded) after an abort or an
 asynchronous commit.
 """
@@ -19,7 +19,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import (
+from support import (
     CATCH_UP_SECONDS,
     backend_pid,
     create_stream,

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import (
+from support import (
     PG_BIN,
     PGDATA,
     connect_raw,

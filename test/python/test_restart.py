@@ -2,7 +2,7 @@
 is in flight and the frontier equals the sequence's value; stored positions
 are never ahead of it; allocation continues above it.
 
-These tests restart the server, so this file is named to run last.
+Every test here is marked restarts_server, so it runs after all others.
 """
 
 import os
@@ -11,7 +11,7 @@ import signal
 import psycopg
 import pytest
 
-from conftest import (
+from support import (
     PGDATA,
     backend_pid,
     create_stream,
@@ -83,6 +83,7 @@ def assert_consistent_after_restart(conn, stream, seq, sign, before):
     return sign * value
 
 
+@pytest.mark.restarts_server
 def test_immediate_shutdown_releases_in_flight_ids_and_frontier_equals_sequence(connect, stream):
     """With IDs committed and IDs in flight, `pg_ctl stop -m immediate` and a
     start leave nothing in flight: frontier = max_allocated = the sequence's
@@ -124,6 +125,7 @@ def test_immediate_shutdown_releases_in_flight_ids_and_frontier_equals_sequence(
     assert next_ids(db, back, f"{back}_a", 1) == [bf - 1]
 
 
+@pytest.mark.restarts_server
 def test_killed_backend_crash_restart_releases_its_ids(connect, stream):
     """SIGKILL of a backend holding IDs makes the postmaster reinitialise
     shared memory; afterwards nothing is in flight, the frontier equals the
@@ -171,6 +173,7 @@ def _down_or_restarted(killed_pid):
         return False
 
 
+@pytest.mark.restarts_server
 def test_clean_restart_keeps_positions(connect, stream):
     """After a fast (clean) shutdown right after a commit, stored positions
     are not ahead of the sequence and the frontier is exactly the last
@@ -186,6 +189,7 @@ def test_clean_restart_keeps_positions(connect, stream):
     assert stored_positions(db, stream).get(wa, 0) <= 4
 
 
+@pytest.mark.restarts_server
 def test_without_preload_token_types_work_and_registry_functions_fail_with_55000_and_hint(connect, stream):
     """Without shared_preload_libraries the token types keep working and the
     registry functions fail with SQLSTATE 55000 and a HINT naming the setting;

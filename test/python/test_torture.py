@@ -1,8 +1,8 @@
 """Torture and fault scenarios for streampos.
 
-The load comes from tests/torture.py (also a stand-alone command; see
-docs/torture.md). Tests that crash or restart the server come last in this
-file (pytest runs in file order) and leave the server running.
+The load comes from torture.py (also a stand-alone command; see
+docs/torture.md). Tests that crash or restart the server are marked
+restarts_server (they run after all others) and leave the server running.
 """
 
 import os
@@ -14,7 +14,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import (
+from support import (
     DBNAME,
     PGHOST,
     PGPORT,
@@ -587,6 +587,7 @@ def _after_restart_checks(conn, stream):
     return front
 
 
+@pytest.mark.restarts_server
 def test_immediate_shutdown_during_torture(connect, stream):
     """pg_ctl stop -m immediate in the middle of the load, then start: nothing
     in flight, frontier == max_allocated == sequence, every acknowledged row
@@ -649,6 +650,7 @@ def _server_children(*names):
     return [int(line.split()[0]) for line in out.stdout.splitlines() if any(n in line for n in names)]
 
 
+@pytest.mark.restarts_server
 def test_rolled_back_allocation_is_not_reused_after_immediate_shutdown(connect, stream):
     """A rolled-back allocation is a gap the frontier covers at once. After a
     crash the frontier must not go back below it, and its ID must not be
@@ -704,6 +706,7 @@ def test_rolled_back_allocation_is_not_reused_after_immediate_shutdown(connect, 
     )
 
 
+@pytest.mark.restarts_server
 def test_kill_9_of_a_backend_holding_ids(connect, stream):
     """SIGKILL of a writer's backend while it holds IDs, under load: the
     postmaster restarts every backend; afterwards frontier == max_allocated

@@ -1,7 +1,7 @@
 """adopt_stream(): an existing sequence (Synapse's events_stream_seq) becomes a
 stream with no data migration; sequences that cannot be tracked are refused."""
 
-from conftest import expect_error, one
+from support import expect_error, one
 
 
 def test_adopt_existing_sequence_keeps_its_position(db, stream):

@@ -1,0 +1,126 @@
+"""Fixtures for the concurrent-session tests of streampos.
+
+Every test gets autocommit connections to the database ``streampos_pytest``
+(created once per session) and a stream name of its own, so tests never see
+each other's state. Helpers live in support.py. Tests marked
+``restarts_server`` run after all others (see pytest_collection_modifyitems).
+"""
+
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+from support import DBNAME, connect_raw, create_stream, drop_streams, stored_positions, wait_until
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "restarts_server: the test stops, crashes or restarts the server; such tests run last",
+    )
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that restart the server run after every other test, in their
+    file order, so that no other test sees a restart."""
+    items.sort(key=lambda item: item.get_closest_marker("restarts_server") is not None)
+
+
+# --------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def database():
+    """(Re)create the test database with the extension; start the position
+    worker early with one allocation, so tests measure catch-up, not start-up."""
+    with connect_raw("postgres") as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {DBNAME} WITH (FORCE)")
+        admin.execute(f"CREATE DATABASE {DBNAME}")
+    with connect_raw() as c:
+        c.execute("CREATE EXTENSION streampos")
+        create_stream(c, "warmup")
+        c.execute("SELECT streampos.next_id('warmup', 'warmup')")
+        wait_until(
+            lambda: stored_positions(c, "warmup").get("warmup") == 1,
+            timeout=10,
+            message="the position worker to start",
+        )
+    yield DBNAME
+    try:
+        drop_streams("warmup")
+    except psycopg.Error:
+        pass
+
+
+class Connections:
+    """Connection factory: every connection it makes is closed at teardown,
+    then the registered clean-ups run (when no session of the test holds
+    anything any more)."""
+
+    def __init__(self):
+        self._conns = []
+        self._cleanups = []
+
+    def __call__(self, **kwargs):
+        conn = connect_raw(**kwargs)
+        self._conns.append(conn)
+        return conn
+
+    def on_teardown(self, fn):
+        self._cleanups.append(fn)
+
+    def close_all(self):
+        for conn in self._conns:
+            try:
+                conn.close()
+            except Exception:
+                pass
+        self._conns.clear()
+        for fn in reversed(self._cleanups):
+            try:
+                fn()
+            except Exception:
+                pass
+        self._cleanups.clear()
+
+
+@pytest.fixture
+def connect(database):
+    """``connect()`` returns a new autocommit session to the test database."""
+    factory = Connections()
+    yield factory
+    factory.close_all()
+
+
+@pytest.fixture
+def db(connect):
+    """An observer session, for reading from outside the writers' transactions."""
+    return connect()
+
+
+_counter = 0
+
+
+@pytest.fixture
+def stream(request, connect):
+    """A stream name unique to this test (not yet created). Streams whose
+    name starts with it are dropped after the test's sessions are closed."""
+    global _counter
+    _counter += 1
+    base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower()).strip("_")
+    base = base.removeprefix("test_")[:28]
+    name = f"{base}_{_counter}_{uuid.uuid4().hex[:6]}"
+    connect.on_teardown(lambda: drop_streams(name))
+    return name
+
+
+@pytest.fixture
+def pool():
+    """Threads, for calls that must block while the test goes on."""
+    executor = ThreadPoolExecutor(max_workers=16)
+    yield executor
+    # Every blocking call in these tests is bounded; do not hang on a failure.
+    executor.shutdown(wait=False, cancel_futures=True)
