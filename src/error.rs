@@ -39,6 +39,16 @@ pub enum Error {
         message: String,
         detail: Option<String>,
     },
+    #[error("column \"{column}\" of relation \"{table}\" does not exist")]
+    UnknownColumn { column: String, table: String },
+    #[error("cannot wait for stream positions on a hot standby")]
+    StandbyWait,
+    /// A race with a concurrent change: retrying the transaction succeeds.
+    #[error("{message}")]
+    Retry { message: String },
+    /// Not the caller's fault: an internal query failed at the SPI level.
+    #[error("{0}")]
+    Internal(String),
     #[error(transparent)]
     Token(#[from] TokenError),
 }
@@ -64,12 +74,16 @@ impl Error {
             Error::Prepare => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::ReadOnly(_) => Code::ERRCODE_READ_ONLY_SQL_TRANSACTION,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
-            Error::Token(e) => match e.sqlstate() {
-                "22P02" => Code::ERRCODE_INVALID_TEXT_REPRESENTATION,
-                "22003" => Code::ERRCODE_NUMERIC_VALUE_OUT_OF_RANGE,
-                "22P03" => Code::ERRCODE_INVALID_BINARY_REPRESENTATION,
-                "XX001" => Code::ERRCODE_DATA_CORRUPTED,
-                _ => Code::ERRCODE_INVALID_PARAMETER_VALUE,
+            Error::UnknownColumn { .. } => Code::ERRCODE_UNDEFINED_COLUMN,
+            Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
+            Error::Retry { .. } => Code::ERRCODE_T_R_SERIALIZATION_FAILURE,
+            Error::Internal(_) => Code::ERRCODE_INTERNAL_ERROR,
+            Error::Token(e) => match e {
+                TokenError::Syntax { .. } => Code::ERRCODE_INVALID_TEXT_REPRESENTATION,
+                TokenError::OutOfRange { .. } => Code::ERRCODE_NUMERIC_VALUE_OUT_OF_RANGE,
+                TokenError::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
+                TokenError::Binary { .. } => Code::ERRCODE_INVALID_BINARY_REPRESENTATION,
+                TokenError::Corrupt { .. } => Code::ERRCODE_DATA_CORRUPTED,
             },
         }
     }
@@ -100,6 +114,8 @@ impl Error {
             ),
             Error::RegistryFull { guc, .. } => Some(format!("Raise {guc} and restart the server.")),
             Error::UnknownStream(_) => Some("Create it with streampos.create_stream() or streampos.adopt_stream().".into()),
+            Error::StandbyWait => Some("Poll streampos.stream_positions, or follow the primary.".into()),
+            Error::Retry { .. } => Some("Retry the transaction.".into()),
             _ => None,
         }
     }

@@ -23,6 +23,7 @@ pub fn define(preloading: bool) {
         define_registry_sizes();
     }
     define_runtime();
+    // SAFETY: called from _PG_init with a static C string.
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"streampos".as_ptr()) };
 }
 

@@ -1,17 +1,36 @@
 //! streampos: stream positions for chat homeservers, inside PostgreSQL.
 //!
 //! Pure logic (tokens, the frontier algorithm) lives in the `streampos-core`
-//! crate and is tested without a server. The modules here are thin glue, one
-//! per PostgreSQL mechanism.
+//! crate and is tested without a server. The modules here are glue, one per
+//! PostgreSQL mechanism:
+//!
+//! | module | mechanism |
+//! |---|---|
+//! | `registry/` | shared memory: the in-flight registry (see its `mod.rs`) |
+//! | `xact.rs` | transaction callbacks |
+//! | `worker.rs` | the background position worker |
+//! | `engine.rs` | allocation and per-statement views between the SQL API and the registry |
+//! | `api/` | the SQL functions of streams, writing, reading, followers, checks |
+//! | `types.rs` | the token types (varlena I/O, operators' functions) |
+//! | `catalog.rs` | the stream catalog with a per-backend cache |
+//! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
+//! | `sql.rs` | every internal SQL statement (the one SPI boundary) |
+//! | `ffi.rs` | C functions declared by hand |
+//! | `guc.rs`, `error.rs` | settings; every user-facing error with its SQLSTATE |
+
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 use pgrx::prelude::*;
 
 mod api;
 mod catalog;
+mod engine;
 mod error;
-mod follow;
+mod ffi;
 mod guc;
 mod registry;
+mod sequence;
+mod sql;
 mod types;
 mod worker;
 mod xact;
@@ -27,6 +46,7 @@ pgrx::extension_sql_file!("../sql/finalize.sql", name = "finalize", finalize);
 pub extern "C-unwind" fn _PG_init() {
     // The registry exists only when the library is preloaded: shared memory
     // can be requested nowhere else. Token types work either way.
+    // SAFETY: a flag the postmaster sets while it loads preloaded libraries.
     let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     guc::define(preloading);
     if preloading {

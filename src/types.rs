@@ -15,12 +15,7 @@ use streampos_core::token::{Token, TokenKind};
 
 use crate::error::{Error, OrRaise};
 
-// PostgreSQL's own hash functions (src/common/hashfn.c): stable across
-// releases, as hash indexes require. They cannot raise an error.
-extern "C-unwind" {
-    fn hash_bytes(k: *const u8, keylen: i32) -> u32;
-    fn hash_bytes_extended(k: *const u8, keylen: i32, seed: u64) -> u64;
-}
+use crate::ffi::{hash_bytes, hash_bytes_extended};
 
 /// Read a token out of a (possibly toasted or short-header) varlena datum.
 unsafe fn token_from_datum(datum: pg_sys::Datum, kind: TokenKind) -> Token {

@@ -7,10 +7,11 @@
 use std::time::Duration;
 
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::pg_sys::panic::CaughtError;
 use pgrx::prelude::*;
 use pgrx::IntoDatum;
 
-use crate::{catalog, guc, registry};
+use crate::{catalog, guc, registry, sql};
 
 /// How often the worker forgets finished entries every snapshot sees.
 const PRUNE_INTERVAL_MS: u64 = 20;
@@ -23,11 +24,13 @@ thread_local! {
 /// second per backend, as this is on every allocation's path; returns
 /// whether it checked (callers piggyback other once-a-second work on it).
 pub fn ensure_running() -> bool {
+    // SAFETY: reads the clock; raises no error.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     if now - LAST_CHECK.with(|c| c.get()) < 1_000_000 {
         return false;
     }
     LAST_CHECK.with(|c| c.set(now));
+    // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     if !registry::worker_needed(db) {
         return true;
@@ -73,7 +76,8 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         if stopping || last_store.is_none_or(|t| t.elapsed() >= interval) {
             last_store = Some(std::time::Instant::now());
             // Each pass is a statement of its own: readers' answers are
-            // cached per statement (see api::view).
+            // cached per statement (see engine::view).
+            // SAFETY: sets this process's statement start time.
             unsafe { pg_sys::SetCurrentStatementStartTimestamp() };
             let pass = std::panic::AssertUnwindSafe(&mut written);
             let keep_going = BackgroundWorker::transaction(move || {
@@ -91,59 +95,53 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
     registry::release_worker_slot(db);
 }
 
-/// Store one stream's positions (the same a reader in this snapshot gets)
-/// and notify listeners.
-fn store_stream(stream: &str) {
-    catalog::run(
-        "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
-         SELECT $1, instance_name, stream_id FROM streampos.writer_positions($1) \
-         ON CONFLICT (stream_name, instance_name) DO UPDATE \
-         SET stream_id = EXCLUDED.stream_id \
-         WHERE abs(EXCLUDED.stream_id) > abs(stream_positions.stream_id)",
-        &[stream.into()],
-    );
-    // Followers that prefer LISTEN to long-polling: one notification per
-    // advance, from here, never from the writers' commits (NOTIFY takes a
-    // lock that would serialise them).
-    catalog::run(
-        "SELECT pg_catalog.pg_notify('streampos', $1 || ' ' || streampos.current_token($1)::text)",
-        &[stream.into()],
-    );
-}
-
-/// Run `f` in a subtransaction; an ERROR rolls it back and returns false.
+/// Run `f` in a subtransaction; an ERROR rolls it back, is logged with
+/// `what`, and returns false.
 fn in_subtransaction(
+    what: &str,
     f: impl FnOnce() + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
 ) -> bool {
+    // SAFETY: the worker is inside a transaction (BackgroundWorker::
+    // transaction); the subtransaction is begun and ended here on every path,
+    // and the memory context and resource owner are restored after it.
     unsafe {
         let context = pg_sys::CurrentMemoryContext;
         let owner = pg_sys::CurrentResourceOwner;
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
-        let ok = PgTryBuilder::new(move || {
+        let failure = PgTryBuilder::new(move || {
             f();
-            true
+            None
         })
-        .catch_others(|_| false)
+        .catch_others(|e| {
+            Some(match e {
+                CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => {
+                    r.message().to_string()
+                }
+                CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
+            })
+        })
         .execute();
-        if ok {
+        if failure.is_none() {
             pg_sys::ReleaseCurrentSubTransaction();
         } else {
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
         }
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::CurrentResourceOwner = owner;
-        ok
+        if let Some(message) = &failure {
+            // After the rollback: logging allocates.
+            pgrx::log!("streampos position worker: {what} failed: {message}");
+        }
+        failure.is_none()
     }
 }
 
 /// One pass: store the positions of streams that moved. Returns false when the extension is gone from the database.
 fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
-    let present: Option<bool> =
-        Spi::get_one("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'streampos'")
-            .unwrap_or(None);
-    if present.is_none() {
+    if !sql::extension_present() {
         return false;
     }
+    // SAFETY: MyDatabaseId is set once the worker is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     let moved: Vec<(i32, u64)> = registry::streams_of(db)
         .into_iter()
@@ -159,7 +157,8 @@ fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
             // A stream dropped in the middle of the pass must not take the
             // worker down with it: each stream in a subtransaction.
             let name = meta.name.clone();
-            if !in_subtransaction(move || store_stream(&name)) {
+            let what = format!("storing the positions of stream \"{name}\"");
+            if !in_subtransaction(&what, move || sql::store_positions(&name)) {
                 continue;
             }
         }

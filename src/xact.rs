@@ -7,6 +7,7 @@ use crate::error::Error;
 use crate::{catalog, registry};
 
 pub fn register_callbacks() {
+    // SAFETY: registered once per process from _PG_init.
     unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
 }
 

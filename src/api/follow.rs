@@ -4,17 +4,17 @@
 
 use std::time::{Duration, Instant};
 
-use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::JsonB;
 use serde_json::Value;
 use streampos_core::frontier;
 use streampos_core::token::{Token, TokenKind};
 
-use crate::api::{in_recovery, registry_index, with_index, writer_ids};
 use crate::catalog::{self, StreamMeta};
+use crate::engine::{self, in_recovery, registry_index, writer_ids};
 use crate::error::{Error, OrRaise};
 use crate::registry;
+use crate::sql::{self, StreamTable};
 use crate::types::MultiWriterToken;
 
 /// The snapshot a follower answers for. Under REPEATABLE READ and
@@ -23,6 +23,7 @@ use crate::types::MultiWriterToken;
 /// a commit that happens while we wait, so we take the latest one; every
 /// later statement of the caller sees at least as much.
 fn follower_snapshot() -> pg_sys::Snapshot {
+    // SAFETY: called inside a running transaction.
     unsafe {
         if pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 {
             pg_sys::GetTransactionSnapshot()
@@ -37,13 +38,7 @@ fn follower_snapshot() -> pg_sys::Snapshot {
 fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
     if in_recovery() {
         // Commits arrive by WAL replay, which broadcasts nothing.
-        ErrorReport::new(
-            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-            "cannot wait for stream positions on a hot standby",
-            "streampos",
-        )
-        .set_hint("Poll streampos.stream_positions, or follow the primary.")
-        .report(PgLogLevel::ERROR);
+        Error::StandbyWait.report();
     }
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
     loop {
@@ -61,9 +56,7 @@ fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool
 }
 
 fn frontier_now(meta: &StreamMeta) -> i64 {
-    let v = with_index(meta, |index| {
-        registry::view(index, meta.key, follower_snapshot())
-    });
+    let v = engine::view_for(meta, follower_snapshot());
     frontier::frontier(v.max_allocated, &v.holders)
 }
 
@@ -86,45 +79,12 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
 
 /// The current token for the follower's snapshot.
 fn token_now(meta: &StreamMeta) -> Token {
-    let v = with_index(meta, |index| {
-        registry::view(index, meta.key, follower_snapshot())
-    });
+    let v = engine::view_for(meta, follower_snapshot());
     frontier::current_token(v.max_allocated, &v.holders, &writer_ids(meta, &v))
 }
 
-struct StreamTable {
-    name: String,
-    id_column: String,
-    instance_column: Option<String>,
-    columns: Vec<String>,
-}
-
-fn stream_tables(stream: &str) -> Vec<StreamTable> {
-    let result = Spi::connect(|client| -> pgrx::spi::SpiResult<Vec<StreamTable>> {
-        let mut tables = Vec::new();
-        for row in client.select(
-            "SELECT tbl::text, quote_ident(id_column), quote_ident(instance_column), \
-                    ARRAY(SELECT quote_ident(attname) FROM pg_catalog.pg_attribute \
-                          WHERE attrelid = tbl AND attnum > 0 AND NOT attisdropped ORDER BY attnum) \
-             FROM streampos.stream_tables WHERE stream_name = $1 ORDER BY tbl::text",
-            None,
-            &[stream.into()],
-        )? {
-            tables.push(StreamTable {
-                name: row.get::<String>(1)?.unwrap_or_default(),
-                id_column: row.get::<String>(2)?.unwrap_or_default(),
-                instance_column: row.get::<String>(3)?,
-                columns: row.get::<Vec<String>>(4)?.unwrap_or_default(),
-            });
-        }
-        Ok(tables)
-    });
-    catalog::spi(result)
-}
-
 /// Rows of one table with since < position <= until (per writer) and
-/// id <= max_id, ordered by ID, at most `limit` (None: all). Each row comes
-/// as (id, JSON array).
+/// id <= max_id, ordered by ID, at most `limit` (None: all).
 fn fetch_rows(
     table: &StreamTable,
     since: &Token,
@@ -132,56 +92,14 @@ fn fetch_rows(
     max_id: i64,
     limit: Option<i64>,
 ) -> Vec<(i64, Value)> {
-    let row_array = format!(
-        "jsonb_build_array({})",
-        table
-            .columns
-            .iter()
-            .map(|c| format!("t.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let (join, instance) = match &table.instance_column {
-        Some(column) => (
-            format!("LEFT JOIN streampos.instances i ON i.instance_name = t.{column}::text"),
-            "i.instance_id",
-        ),
-        None => (String::new(), "NULL::integer"),
-    };
-    let id = &table.id_column;
-    let query = format!(
-        "SELECT t.{id}::bigint, {row_array}::text FROM {tbl} t {join} \
-         WHERE t.{id} > $1 AND t.{id} <= $2 \
-           AND streampos.in_range($3::streampos.multi_writer_token, $4::streampos.multi_writer_token, {instance}, t.{id}::bigint) \
-         ORDER BY t.{id} {limit}",
-        tbl = table.name,
-        limit = limit.map(|n| format!("LIMIT {n}")).unwrap_or_default(),
-    );
-    let args = [
-        since.stream().into(),
-        until.max_stream_pos().min(max_id).into(),
-        since.to_text(TokenKind::MultiWriter).into(),
-        until.to_text(TokenKind::MultiWriter).into(),
-    ];
-    // A read-write SPI call takes a fresh snapshot (under READ COMMITTED),
-    // taken after the token's: it sees every row the token covers.
-    let result = Spi::connect_mut(|client| -> pgrx::spi::SpiResult<Vec<(i64, Value)>> {
-        let mut rows = Vec::new();
-        for row in client.update(query.as_str(), None, &args)? {
-            let id = row.get::<i64>(1)?.unwrap_or_default();
-            let text = row.get::<String>(2)?.unwrap_or_default();
-            rows.push((id, serde_json::from_str(&text).unwrap_or(Value::Null)));
-        }
-        Ok(rows)
-    });
-    match result {
-        Ok(rows) => rows,
-        Err(e) => Error::InvalidState {
-            message: format!("reading {} failed: {e}", table.name),
-            detail: None,
-        }
-        .report(),
-    }
+    sql::fetch_rows(
+        table,
+        since.stream(),
+        until.max_stream_pos().min(max_id),
+        &since.to_text(TokenKind::MultiWriter),
+        &until.to_text(TokenKind::MultiWriter),
+        limit,
+    )
 }
 
 #[pg_extern(volatile, strict, parallel_restricted)]
@@ -213,7 +131,7 @@ fn updates(
     });
     // Never hand a follower a token behind the one it gave us.
     let until = since.advance(&current);
-    let tables = stream_tables(stream);
+    let tables = sql::stream_tables(stream);
     let limit = max_rows as usize;
 
     // Each table's first limit+1 rows are enough to find the global first

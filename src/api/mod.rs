@@ -1,0 +1,16 @@
+//! The SQL functions of the stream engine, thin: argument checks and
+//! results; the work is in `engine`, `catalog`, `sequence` and `registry`.
+//!
+//! | file | functions |
+//! |---|---|
+//! | `streams.rs` | create_stream, adopt_stream, add_table, set_writers, drop_stream, instance_id, instance_name |
+//! | `writing.rs` | next_id, next_ids |
+//! | `reading.rs` | frontier, max_allocated, writer_position(s), current_token, current_room_token, in_flight |
+//! | `follow.rs` | wait_for, updates |
+//! | `check.rs` | check_stream |
+
+mod check;
+mod follow;
+mod reading;
+mod streams;
+mod writing;

@@ -1,0 +1,158 @@
+//! Positions for the caller's snapshot: frontier, writer positions, tokens,
+//! and who holds the frontier back.
+
+use pgrx::prelude::*;
+use streampos_core::frontier;
+use streampos_core::token::Token;
+
+use crate::catalog;
+use crate::engine::{self, in_recovery, writer_ids};
+use crate::error::{Error, OrRaise};
+use crate::registry;
+use crate::types::{MultiWriterToken, RoomToken};
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn frontier(stream: &str) -> i64 {
+    let meta = catalog::stream(stream).or_raise();
+    let v = engine::view(&meta);
+    meta.external(frontier::frontier(v.max_allocated, &v.holders))
+}
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn max_allocated(stream: &str) -> i64 {
+    let meta = catalog::stream(stream).or_raise();
+    meta.external(engine::view(&meta).max_allocated)
+}
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn writer_position(stream: &str, writer: &str) -> i64 {
+    let meta = catalog::stream(stream).or_raise();
+    if !meta.allows(writer) {
+        Error::NotAWriter {
+            stream: stream.into(),
+            instance: writer.into(),
+        }
+        .report();
+    }
+    let v = engine::view(&meta);
+    let id = catalog::lookup_instance_id(writer);
+    let position = match id {
+        // On a standby, only stored positions are known.
+        _ if in_recovery() && !id.is_some_and(|id| v.seen.contains(&id)) => {
+            frontier::frontier(v.max_allocated, &v.holders)
+        }
+        Some(id) => frontier::writer_position(v.max_allocated, &v.holders, id),
+        // A name this snapshot cannot resolve may belong to a writer whose
+        // first transaction (which created the name) is still running: the
+        // frontier is the only safe answer.
+        None => frontier::frontier(v.max_allocated, &v.holders),
+    };
+    meta.external(position)
+}
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn writer_positions(
+    stream: &str,
+) -> TableIterator<
+    'static,
+    (
+        name!(instance_name, String),
+        name!(instance_id, i32),
+        name!(stream_id, i64),
+    ),
+> {
+    let meta = catalog::stream(stream).or_raise();
+    let v = engine::view(&meta);
+    let names = catalog::instance_names();
+    let rows: Vec<(String, i32, i64)> = writer_ids(&meta, &v)
+        .into_iter()
+        // An instance whose name this snapshot cannot see yet (created by a
+        // transaction still running) is left out, as it would be from a
+        // token's reader: it reads as the frontier.
+        .filter_map(|id| {
+            let name = names.get(&id)?.clone();
+            let position = frontier::writer_position(v.max_allocated, &v.holders, id);
+            Some((name, id, meta.external(position)))
+        })
+        .collect();
+    TableIterator::new(rows)
+}
+
+fn token_of(stream: &str) -> Token {
+    let meta = catalog::stream(stream).or_raise();
+    let v = engine::view(&meta);
+    if meta.backwards {
+        // Per-writer entries cannot be expressed once negated (they would be
+        // below the minimum): a backward stream's token is its frontier.
+        return Token::live(meta.external(frontier::frontier(v.max_allocated, &v.holders)));
+    }
+    frontier::current_token(v.max_allocated, &v.holders, &writer_ids(&meta, &v))
+}
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn current_token(stream: &str) -> MultiWriterToken {
+    MultiWriterToken(token_of(stream))
+}
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn current_room_token(stream: default!(&str, "'events'")) -> RoomToken {
+    RoomToken(token_of(stream))
+}
+
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_restricted)]
+fn in_flight(
+    stream: default!(Option<&str>, "NULL"),
+) -> TableIterator<
+    'static,
+    (
+        name!(stream_name, String),
+        name!(instance_name, String),
+        name!(pid, i32),
+        name!(xid, pg_sys::TransactionId),
+        name!(min_id, i64),
+        name!(max_id, i64),
+        name!(ids, i64),
+        name!(since, TimestampWithTimeZone),
+    ),
+> {
+    registry::require_loaded().or_raise();
+    if let Some(name) = stream {
+        catalog::stream(name).or_raise();
+    }
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let streams = catalog::streams_by_key();
+    let names = catalog::instance_names();
+    let mut rows = Vec::new();
+    for r in registry::in_flight().or_raise() {
+        if r.db != db {
+            continue;
+        }
+        let Some(meta) = streams.get(&r.key) else {
+            continue;
+        };
+        if stream.is_some_and(|s| s != meta.name) {
+            continue;
+        }
+        let (lo, hi) = if meta.backwards {
+            (-r.max_id, -r.min_id)
+        } else {
+            (r.min_id, r.max_id)
+        };
+        let since = TimestampWithTimeZone::try_from(r.since)
+            .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity());
+        rows.push((
+            meta.name.clone(),
+            names.get(&r.instance).cloned().unwrap_or_default(),
+            r.pid,
+            r.xid,
+            lo,
+            hi,
+            r.ids,
+            since,
+        ));
+    }
+    rows.sort_by(|a, b| (a.0.as_str(), a.4).cmp(&(b.0.as_str(), b.4)));
+    TableIterator::new(rows)
+}

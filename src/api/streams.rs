@@ -1,0 +1,168 @@
+//! Streams and writers: the catalog-changing functions.
+
+use pgrx::pgrx_sql_entity_graph::metadata::{
+    ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
+};
+use pgrx::prelude::*;
+use pgrx::{IntoDatum, PgRelation};
+use streampos_core::frontier;
+
+use crate::catalog;
+use crate::engine;
+use crate::error::{Error, OrRaise};
+use crate::{registry, sequence, sql};
+
+/// A `regclass` return value.
+pub struct RegClass(pub pg_sys::Oid);
+
+impl IntoDatum for RegClass {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        self.0.into_datum()
+    }
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::REGCLASSOID
+    }
+}
+
+// SAFETY: a regclass datum is an OID, passed by value like `oid`.
+unsafe impl pgrx::callconv::BoxRet for RegClass {
+    unsafe fn box_into<'fcx>(
+        self,
+        fcinfo: &mut pgrx::callconv::FcInfo<'fcx>,
+    ) -> pgrx::datum::Datum<'fcx> {
+        // SAFETY: an OID is a valid by-value datum.
+        unsafe { fcinfo.return_raw_datum(pg_sys::Datum::from(self.0)) }
+    }
+}
+
+// SAFETY: maps to the SQL type regclass, which the datum above is.
+unsafe impl SqlTranslatable for RegClass {
+    const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!(RegClass);
+    const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+    const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> =
+        Ok(SqlMappingRef::literal("regclass"));
+    const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+        Ok(ReturnsRef::One(SqlMappingRef::literal("regclass")));
+}
+
+fn ensure_writer_instances(writers: &Option<Vec<Option<String>>>) -> Option<Vec<String>> {
+    let writers = writers.as_ref()?;
+    let mut names = Vec::with_capacity(writers.len());
+    for w in writers {
+        let Some(w) = w else {
+            Error::invalid("writers must not contain NULL").report();
+        };
+        catalog::instance_id(w).or_raise();
+        if !names.contains(w) {
+            names.push(w.clone());
+        }
+    }
+    Some(names)
+}
+
+fn check_new_stream(stream: &str) {
+    catalog::validate_stream_name(stream).or_raise();
+    if catalog::stream(stream).is_ok() {
+        Error::StreamExists(stream.into()).report();
+    }
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+fn create_stream(
+    stream: &str,
+    backwards: default!(bool, false),
+    writers: default!(Option<Vec<Option<String>>>, "NULL"),
+) -> RegClass {
+    check_new_stream(stream);
+    let writers = ensure_writer_instances(&writers);
+    let seq = sql::create_sequence(&format!("{stream}_seq"));
+    sql::insert_stream(stream, seq, true, backwards, writers);
+    catalog::mark_changed();
+    RegClass(seq)
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+fn adopt_stream(
+    stream: &str,
+    seq: PgRelation,
+    backwards: default!(bool, false),
+    writers: default!(Option<Vec<Option<String>>>, "NULL"),
+) {
+    check_new_stream(stream);
+    let oid = seq.oid();
+    match sequence::settings(oid) {
+        Some((1, 1)) => {}
+        None => Error::invalid(format!("\"{}\" is not a sequence", seq.name())).report(),
+        Some((increment, cache)) => Error::InvalidArgument {
+            message: format!("sequence \"{}\" must have INCREMENT 1 and CACHE 1", seq.name()),
+            detail: Some(format!(
+                "It has INCREMENT {increment} and CACHE {cache}. With a cache, backends hand out IDs out of order, which no registry can see."
+            )),
+        }
+        .report(),
+    }
+    let writers = ensure_writer_instances(&writers);
+    sql::insert_stream(stream, oid, false, backwards, writers);
+    catalog::mark_changed();
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+fn add_table(
+    stream: &str,
+    tbl: PgRelation,
+    id_column: &str,
+    instance_column: default!(Option<&str>, "NULL"),
+) {
+    catalog::stream(stream).or_raise();
+    let oid = tbl.oid();
+    for column in std::iter::once(id_column).chain(instance_column) {
+        if !sql::column_exists(oid, column) {
+            Error::UnknownColumn {
+                column: column.into(),
+                table: tbl.name().into(),
+            }
+            .report();
+        }
+    }
+    sql::upsert_stream_table(stream, oid, id_column, instance_column);
+    catalog::mark_changed();
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+fn set_writers(stream: &str, writers: Option<Vec<Option<String>>>) {
+    let meta = catalog::stream(stream).or_raise();
+    let writers = ensure_writer_instances(&writers);
+    sql::set_stream_writers(stream, writers.clone());
+    if let Some(writers) = writers {
+        // A removed writer loses its stored position; a new one starts at the
+        // frontier (never ahead of the truth).
+        let v = engine::view(&meta);
+        let front = meta.external(frontier::frontier(v.max_allocated, &v.holders));
+        sql::reset_positions(stream, writers, front);
+    }
+    catalog::mark_changed();
+}
+
+#[pg_extern(volatile, parallel_unsafe)]
+fn drop_stream(stream: &str) {
+    let meta = catalog::stream(stream).or_raise();
+    sql::delete_stream(stream);
+    if meta.owns_sequence {
+        sql::drop_sequence(&meta.seq_name);
+    }
+    if registry::is_loaded() {
+        registry::mark_dropped(meta.key).or_raise();
+    }
+    catalog::mark_changed();
+}
+
+#[pg_extern(volatile, strict, parallel_unsafe)]
+fn instance_id(instance_name: &str) -> i32 {
+    catalog::instance_id(instance_name).or_raise()
+}
+
+#[pg_extern(stable, strict, parallel_restricted)]
+fn instance_name(instance_id: i32) -> String {
+    catalog::instance_name(instance_id)
+        .unwrap_or_else(|| Error::UnknownInstanceId(instance_id).report())
+}

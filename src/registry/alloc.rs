@@ -1,0 +1,325 @@
+//! Allocation and transaction end: a backend publishes what its transaction
+//! holds in its own slot, and moves it to the finished ring when the
+//! transaction ends.
+
+use std::ptr;
+
+use pgrx::pg_sys;
+use pgrx::pg_sys::TransactionId;
+
+use super::shmem::{self, Active, Finished, Locked, FREE_ACTIVE, HEADER, SEEN_WRITERS};
+use super::streams::{matches, Stale};
+use super::visibility::fold_into_summary;
+use crate::error::Error;
+
+/// True while this backend's current transaction holds entries: the commit
+/// and abort callbacks return at once otherwise.
+static mut HOLDING: bool = false;
+static mut EXIT_CALLBACK_REGISTERED: bool = false;
+
+/// Does this backend's transaction hold IDs?
+pub fn holding() -> bool {
+    // SAFETY: backend-local flag, only touched by this process.
+    unsafe { HOLDING }
+}
+
+/// Step 1 of an allocation: publish, before `nextval` runs, a lower bound
+/// for the IDs this transaction is about to take. Without it a reader could
+/// see a later ID registered by another writer and report a frontier past
+/// ours.
+pub fn begin_allocation(
+    stream: usize,
+    key: i32,
+    instance: i32,
+    xid: TransactionId,
+) -> Result<Result<usize, Stale>, Error> {
+    let slot_index = shmem::my_slot_index()?;
+    register_exit_callback();
+    let locked = Locked::acquire(true)?;
+    if !matches(&locked.streams()[stream], key) {
+        return Ok(Err(Stale));
+    }
+    let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
+    let stream_i32 = stream as i32;
+    let slot = locked.slot(slot_index);
+    if let Some(i) = slot
+        .iter()
+        .position(|a| a.stream == stream_i32 && a.instance == instance)
+    {
+        // The existing entry's minimum is already below anything new.
+        return Ok(Ok(i));
+    }
+    let Some(i) = slot.iter().position(|a| a.stream < 0) else {
+        return Err(Error::RegistryFull {
+            what: "entry for this transaction",
+            guc: "streampos.max_streams_per_transaction",
+        });
+    };
+    slot[i] = Active {
+        stream: stream_i32,
+        instance,
+        min_id: lower_bound,
+        max_id: lower_bound,
+        count: 0,
+        xid,
+        pending: true,
+        // SAFETY: plain read of the transaction's start time.
+        since: unsafe { pg_sys::GetCurrentTransactionStartTimestamp() },
+        lsn: 0,
+    };
+    let header = &mut locked.slot_headers()[slot_index];
+    // SAFETY: process identity globals, set at backend start.
+    unsafe {
+        header.pid = pg_sys::MyProcPid;
+        header.db = pg_sys::MyDatabaseId;
+        HOLDING = true;
+    }
+    header.used += 1;
+    Ok(Ok(i))
+}
+
+/// Step 2: the IDs `first..=last` (in internal, positive numbering) were
+/// handed out by the sequence.
+pub fn finish_allocation(
+    stream: usize,
+    entry: usize,
+    instance: i32,
+    first: i64,
+    last: i64,
+    count: i64,
+    lsn: u64,
+) -> Result<(), Error> {
+    let slot_index = shmem::my_slot_index()?;
+    let locked = Locked::acquire(true)?;
+    let a = &mut locked.slot(slot_index)[entry];
+    if a.pending && first < a.min_id {
+        // The sequence went backwards (setval, or a cache > 1): a reader may
+        // already have reported a frontier past this ID.
+        return Err(Error::InvalidState {
+            message: "the stream's sequence returned an ID below one already allocated".into(),
+            detail: Some(format!(
+                "The sequence returned {first}, but {} was allocated before. Was it reset with setval()?",
+                a.min_id - 1
+            )),
+        });
+    }
+    if a.pending {
+        a.min_id = first;
+        a.pending = false;
+    }
+    a.max_id = a.max_id.max(last);
+    a.count += count;
+    a.lsn = a.lsn.max(lsn);
+    let s = &mut locked.streams()[stream];
+    s.max_allocated = s.max_allocated.max(last);
+    if !s.seen[..s.n_seen as usize].contains(&instance) && (s.n_seen as usize) < SEEN_WRITERS {
+        s.seen[s.n_seen as usize] = instance;
+        s.n_seen += 1;
+    }
+    Ok(())
+}
+
+/// The IDs handed out by this backend's transaction are finished. Called from
+/// the commit and abort callbacks: nothing here may raise an ERROR or panic,
+/// allocate, or run SQL.
+pub fn end_transaction(committed: bool) {
+    // SAFETY: runs in this backend only; HEADER is checked non-null; the
+    // slot index is this backend's own and checked against n_slots; the
+    // shared structures are touched under the registry lock; XLogFlush and
+    // ConditionVariableBroadcast raise no ERROR (a WAL write failure is a
+    // PANIC anywhere).
+    unsafe {
+        if !HOLDING || HEADER.is_null() {
+            return;
+        }
+        HOLDING = false;
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let mut flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        if !committed {
+            // An abort releases its IDs at once, so the sequence record that
+            // covers them must be on disk first, or a crash could hand them
+            // out again. Rare: nextval logs once per 32 values and after a
+            // checkpoint.
+            let needed = own_slot_lsn_max(procno as usize);
+            if needed > flushed {
+                pg_sys::XLogFlush(needed);
+                flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+            }
+        }
+        // Read without our lock; cannot raise an error. Our own completion
+        // is already counted (ProcArrayEndTransaction ran).
+        let completion_count = (*pg_sys::ShmemVariableCache).xactCompletionCount;
+        let latest_completed = TransactionId::from_inner(
+            (*pg_sys::ShmemVariableCache).latestCompletedXid.value as u32,
+        );
+        let locked = Locked::acquire_raw(HEADER, true);
+        let h = locked.h();
+        // Streams to wake, without allocating.
+        let mut woken = [usize::MAX; 16];
+        let mut n_woken = 0;
+        let mut wake_all = false;
+        for a in locked.slot(procno as usize).iter_mut() {
+            if a.stream < 0 {
+                continue;
+            }
+            let stream = a.stream as usize;
+            if !woken[..n_woken].contains(&stream) {
+                if n_woken < woken.len() {
+                    woken[n_woken] = stream;
+                    n_woken += 1;
+                } else {
+                    wake_all = true;
+                }
+            }
+            // A synchronous commit flushed past the IDs' sequence record;
+            // an abort or an asynchronous commit may not have.
+            let lsn = if a.lsn > flushed { a.lsn } else { 0 };
+            if committed || lsn != 0 {
+                let entry = Finished {
+                    stream: a.stream,
+                    instance: a.instance,
+                    min_id: a.min_id,
+                    max_id: a.max_id,
+                    xid: a.xid,
+                    aborted: !committed,
+                    lsn,
+                };
+                // Full: the oldest entry (first committed) makes room and is
+                // folded into its stream's summary. Fresh snapshots surely
+                // see the oldest commits, so only old snapshots pay for it.
+                if let Some(evicted) = locked.ring_push(entry) {
+                    fold_into_summary(
+                        &mut locked.streams()[evicted.stream as usize].summary,
+                        evicted.xid,
+                        evicted.min_id,
+                        completion_count,
+                        evicted.lsn,
+                        latest_completed,
+                    );
+                }
+            }
+            locked.streams()[stream].generation += 1;
+            *a = FREE_ACTIVE;
+        }
+        locked.slot_headers()[procno as usize].used = 0;
+        let streams = locked.streams().as_mut_ptr();
+        let n_streams = h.n_streams as usize;
+        drop(locked);
+        // Broadcasting outside the lock; a condition variable with no
+        // sleepers costs one spinlock.
+        if wake_all {
+            for i in 0..n_streams {
+                pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+            }
+        } else {
+            for &i in &woken[..n_woken] {
+                pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+            }
+        }
+    }
+}
+
+/// Before commit: a transaction that wrote no WAL of its own (it only
+/// allocated) commits without flushing the WAL, so its IDs would be held
+/// until the WAL writer flushes their sequence record. Flush it now instead,
+/// when it is not on disk yet (after a checkpoint, or once per 32 values).
+/// Under synchronous_commit = off the IDs wait for the WAL writer, like the
+/// commit itself.
+pub fn flush_before_commit() {
+    // SAFETY: runs in this backend before commit; HEADER checked non-null;
+    // the slot is this backend's own and checked against n_slots.
+    unsafe {
+        if !HOLDING || HEADER.is_null() || pg_sys::XactLastRecEnd != 0 {
+            return;
+        }
+        if pg_sys::synchronous_commit <= pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_OFF as i32 {
+            return;
+        }
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let needed = own_slot_lsn_max(procno as usize);
+        if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
+            pg_sys::XLogFlush(needed);
+        }
+    }
+}
+
+/// The highest WAL position this backend's entries need durable.
+///
+/// # Safety
+/// The registry must be initialised and `slot` must be the caller's.
+unsafe fn own_slot_lsn_max(slot: usize) -> u64 {
+    // SAFETY: forwarded from the caller.
+    unsafe { shmem::own_slot_unlocked(slot) }
+        .iter()
+        .filter(|a| a.stream >= 0)
+        .map(|a| a.lsn)
+        .max()
+        .unwrap_or(0)
+}
+
+fn register_exit_callback() {
+    // SAFETY: backend-local flag; before_shmem_exit is called once.
+    unsafe {
+        if !EXIT_CALLBACK_REGISTERED {
+            pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(0));
+            EXIT_CALLBACK_REGISTERED = true;
+        }
+    }
+}
+
+/// A backend that exits in the middle of a transaction releases its IDs here.
+/// before_shmem_exit callbacks run in reverse order of registration, and ours
+/// is registered after the one that aborts the open transaction
+/// (ShutdownPostgres), so this runs first, while the transaction still shows
+/// as running: that is safe, as an exiting backend's transaction can no
+/// longer commit.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
+    end_transaction(false);
+}
+
+/// One row of `streampos.in_flight()`.
+pub struct InFlight {
+    pub db: pg_sys::Oid,
+    pub key: i32,
+    pub instance: i32,
+    pub pid: i32,
+    pub xid: TransactionId,
+    pub min_id: i64,
+    pub max_id: i64,
+    pub ids: i64,
+    pub since: pg_sys::TimestampTz,
+}
+
+/// Every allocation of a transaction that has not ended, in any database.
+pub fn in_flight() -> Result<Vec<InFlight>, Error> {
+    let locked = Locked::acquire(false)?;
+    let streams = locked.streams();
+    let mut rows = Vec::new();
+    for (slot_index, header) in locked.slot_headers().iter().enumerate() {
+        if header.used == 0 {
+            continue;
+        }
+        for a in locked.slot(slot_index).iter().filter(|a| a.stream >= 0) {
+            let s = &streams[a.stream as usize];
+            rows.push(InFlight {
+                db: s.db,
+                key: s.key,
+                instance: a.instance,
+                pid: header.pid,
+                xid: a.xid,
+                min_id: a.min_id,
+                max_id: a.max_id,
+                ids: a.count,
+                since: a.since,
+            });
+        }
+    }
+    Ok(rows)
+}

@@ -1,0 +1,35 @@
+//! The in-flight registry: shared memory that knows, for every stream, which
+//! IDs are allocated by transactions that have not ended, and which recently
+//! finished transactions some snapshot may still not see.
+//!
+//! | file | concern |
+//! |---|---|
+//! | `shmem.rs` | layout, creation at server start, the lock guard |
+//! | `streams.rs` | per-stream state: find, create, load, drop, reclaim |
+//! | `alloc.rs` | allocation (register before you allocate) and transaction end |
+//! | `visibility.rs` | what a snapshot must treat as in flight: slots, finished ring, summary, pruning |
+//! | `wait.rs` | followers' condition variables |
+//! | `workers.rs` | position-worker slots |
+//!
+//! One LWLock guards it all. Writers hold it exclusively for a few hundred
+//! nanoseconds twice per allocation and once per commit; readers hold it
+//! shared while scanning. The sequence's own lock, not ours, orders IDs.
+
+mod alloc;
+mod shmem;
+mod streams;
+mod visibility;
+mod wait;
+mod workers;
+
+pub use alloc::{
+    begin_allocation, end_transaction, finish_allocation, flush_before_commit, holding, in_flight,
+};
+pub use shmem::{catalog_sync, is_loaded, request_shared_memory, require_loaded};
+pub use streams::{
+    forget_index, generation, mark_dropped, raise_max_allocated, set_loaded, stream_index,
+    streams_of, Stale,
+};
+pub use visibility::{caller_snapshot, prune, prune_if_crowded, view, StreamView};
+pub use wait::wait_for_change;
+pub use workers::{claim_worker_slot, release_worker_slot, worker_needed, worker_start_failed};

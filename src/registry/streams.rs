@@ -1,0 +1,204 @@
+//! Stream states: one per (database, stream key), found or created on first
+//! use after start-up, loaded with the sequence's value once, marked dropped
+//! by `drop_stream` and reclaimed when the registry is full.
+
+use pgrx::pg_sys;
+
+use super::shmem::{Locked, SEEN_WRITERS};
+use crate::error::Error;
+
+thread_local! {
+    /// Stream key -> state index, for streams known to be loaded. Validated
+    /// under the lock by every user (`matches`), so a stale entry costs a
+    /// retry, never a wrong answer.
+    static INDEX_CACHE: std::cell::RefCell<std::collections::HashMap<i32, usize>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// The registry no longer has `key` at the cached index.
+#[derive(Debug)]
+pub struct Stale;
+
+/// Is `s` the loaded state of stream `key` of this database?
+pub(super) fn matches(s: &super::shmem::StreamState, key: i32) -> bool {
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    s.in_use && s.loaded && s.key == key && s.db == unsafe { pg_sys::MyDatabaseId }
+}
+
+pub fn forget_index(key: i32) {
+    INDEX_CACHE.with(|c| c.borrow_mut().remove(&key));
+}
+
+/// Find the state of (current database, stream key), creating it if needed.
+/// Returns its index and whether its maximum allocated ID is known yet.
+pub fn stream_index(key: i32) -> Result<(usize, bool), Error> {
+    super::require_loaded()?;
+    if let Some(i) = INDEX_CACHE.with(|c| c.borrow().get(&key).copied()) {
+        return Ok((i, true));
+    }
+    let (index, loaded) = lookup_stream_index(key)?;
+    if loaded {
+        INDEX_CACHE.with(|c| c.borrow_mut().insert(key, index));
+    }
+    Ok((index, loaded))
+}
+
+fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    {
+        let locked = Locked::acquire(false)?;
+        if let Some(i) = locked
+            .streams()
+            .iter()
+            .position(|s| s.in_use && s.db == db && s.key == key)
+        {
+            return Ok((i, locked.streams()[i].loaded));
+        }
+    }
+    let full = Locked::acquire(false)?.streams().iter().all(|s| s.in_use);
+    if full {
+        forget_dropped_databases()?;
+    }
+    let locked = Locked::acquire(true)?;
+    let streams = locked.streams();
+    if let Some(i) = streams
+        .iter()
+        .position(|s| s.in_use && s.db == db && s.key == key)
+    {
+        return Ok((i, streams[i].loaded));
+    }
+    let free = match streams.iter().position(|s| !s.in_use) {
+        Some(i) => Some(i),
+        None => reclaim_dropped(&locked),
+    };
+    let Some(i) = free else {
+        return Err(Error::RegistryFull {
+            what: "stream slot",
+            guc: "streampos.max_streams",
+        });
+    };
+    let s = &mut locked.streams()[i];
+    // Keep the condition variable: a follower may still be registered on it.
+    let cv = s.cv;
+    // SAFETY: every field of StreamState is valid when zeroed.
+    *s = unsafe { std::mem::zeroed() };
+    s.cv = cv;
+    s.in_use = true;
+    s.db = db;
+    s.key = key;
+    Ok((i, false))
+}
+
+/// States of databases that no longer exist count as dropped streams. Only
+/// when the registry is full: it reads pg_database.
+fn forget_dropped_databases() -> Result<(), Error> {
+    let existing = crate::sql::database_oids();
+    if existing.is_empty() {
+        return Ok(());
+    }
+    let locked = Locked::acquire(true)?;
+    for s in locked.streams().iter_mut() {
+        if s.in_use && !existing.contains(&s.db) {
+            s.dropped = true;
+        }
+    }
+    Ok(())
+}
+
+/// A dropped stream's state can be reused once nothing refers to it.
+fn reclaim_dropped(locked: &Locked) -> Option<usize> {
+    let candidates: Vec<usize> = locked
+        .streams()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.dropped)
+        .map(|(i, _)| i)
+        .collect();
+    let h = locked.h();
+    'next: for i in candidates {
+        let i32_index = i as i32;
+        if locked.ring_entries().any(|f| f.stream == i32_index) {
+            continue;
+        }
+        for slot in 0..h.n_slots as usize {
+            if locked.slot(slot).iter().any(|a| a.stream == i32_index) {
+                continue 'next;
+            }
+        }
+        locked.streams()[i].in_use = false;
+        return Some(i);
+    }
+    None
+}
+
+/// Record the maximum allocated ID read from the sequence, unless another
+/// backend did first. Allocations only start once it is known, so a value
+/// read before any allocation since start-up is exact.
+/// `stored_writers`: instances with a stored position, remembered as seen
+/// so that tokens list them without reading the table on every call.
+pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> Result<(), Error> {
+    let locked = Locked::acquire(true)?;
+    let s = &mut locked.streams()[index];
+    if !s.loaded {
+        s.loaded = true;
+        s.max_allocated = max_allocated;
+        for &w in stored_writers.iter().take(SEEN_WRITERS) {
+            if !s.seen[..s.n_seen as usize].contains(&w) {
+                s.seen[s.n_seen as usize] = w;
+                s.n_seen += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Mark a stream dropped (its key is never reused).
+pub fn mark_dropped(key: i32) -> Result<(), Error> {
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let locked = Locked::acquire(true)?;
+    for s in locked.streams().iter_mut() {
+        if s.in_use && s.db == db && s.key == key {
+            s.dropped = true;
+        }
+    }
+    Ok(())
+}
+
+/// After `check_stream(…, repair => true)` moved the sequence forward, the
+/// skipped values will never be handed out: nothing holds them back.
+pub fn raise_max_allocated(stream: usize, value: i64) -> Result<(), Error> {
+    let locked = Locked::acquire(true)?;
+    let s = &mut locked.streams()[stream];
+    if s.loaded && s.max_allocated < value {
+        s.max_allocated = value;
+        s.generation += 1;
+    }
+    let cv = &mut s.cv as *mut pg_sys::ConditionVariable;
+    drop(locked);
+    // SAFETY: the condition variable lives in shared memory for the life of
+    // the server; broadcasting needs no lock of ours.
+    unsafe { pg_sys::ConditionVariableBroadcast(cv) };
+    Ok(())
+}
+
+/// Streams of one database with their generation, for the position worker.
+pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
+    let Ok(locked) = Locked::acquire(false) else {
+        return Vec::new();
+    };
+    locked
+        .streams()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.loaded && !s.dropped && s.db == db)
+        .map(|(i, s)| (s.key, i, s.generation))
+        .collect()
+}
+
+/// The stream's generation: it moves whenever an allocation finishes.
+pub fn generation(stream: usize) -> Result<u64, Error> {
+    let locked = Locked::acquire(false)?;
+    Ok(locked.streams()[stream].generation)
+}
