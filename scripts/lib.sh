@@ -42,13 +42,26 @@ cluster_stop() {
     as_postgres "$PG_BIN/pg_ctl" -D "$data" -m "$mode" -w -t 60 stop >/dev/null 2>&1 || true
 }
 
-# install_extension [--release]: build and install into the system PostgreSQL.
-# Tests use the debug build (its dependencies are shared with cargo pgrx
-# test); the demo and the benchmarks use --release.
+# install_extension [cargo pgrx install options]: build and install into the
+# PostgreSQL of $PG_CONFIG. Tests use the debug build with the test hooks
+# (--features test-hooks); the demo and the benchmarks use --release.
+# The install scripts of earlier releases (sql/streampos--<version>.sql) are
+# installed too, so that a database can be created at an earlier version and
+# upgraded (pgrx installs the current one and the upgrade scripts).
 install_extension() {
+    local extdir
+    extdir="$("$PG_CONFIG" --sharedir)/extension"
     # Unlink first: overwriting the library in place would crash running
     # servers that have it mapped.
     rm -f "$("$PG_CONFIG" --pkglibdir)/streampos.so"
     cargo pgrx install "$@" --pg-config "$PG_CONFIG" 2>&1 | grep -vE "^\s*(Compiling|Checking)" || true
     test -f "$("$PG_CONFIG" --pkglibdir)/streampos.so"
+    local current script
+    current=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
+    for script in sql/streampos--*.sql; do
+        case "$script" in
+        *--*--*.sql | "sql/streampos--$current.sql") ;;
+        *) cp "$script" "$extdir/" ;;
+        esac
+    done
 }

@@ -184,6 +184,21 @@ CREATE CAST (room_stream_token AS multi_writer_token)
 CREATE CAST (multi_writer_token AS room_stream_token)
     WITH FUNCTION multi_writer_to_room_token(multi_writer_token);
 
+CREATE TRIGGER instances_immutable BEFORE UPDATE OR DELETE ON instances
+    FOR EACH ROW EXECUTE FUNCTION instances_immutable();
+
+-- Privileges. Reading functions and token functions are for every role
+-- (updates() and check_stream() read the stream's tables with the caller's
+-- own privileges). Allocating needs what nextval() needs on the stream's
+-- sequence (next_id checks it). Changing the catalog is for roles the owner
+-- grants it to.
+REVOKE EXECUTE ON FUNCTION create_stream(text, boolean, text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION adopt_stream(text, regclass, boolean, text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION add_table(text, regclass, text, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION set_writers(text, text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION drop_stream(text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION instance_id(text) FROM PUBLIC;
+
 -- Comments: what each object is for, as \df+ and \dT+ show them.
 COMMENT ON TYPE room_stream_token IS
     'Synapse RoomStreamToken: s{stream}, t{topological}-{stream}, or m{stream}~{instance_id}.{pos}~…';

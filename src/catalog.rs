@@ -7,7 +7,9 @@
 //! transaction ends) and after any abort in this backend (an instance created
 //! by an aborted transaction does not exist). A stream row is cached only if
 //! it was read by a snapshot that sees the latest catalog-changing
-//! transaction, whose xid is kept in shared memory.
+//! transaction, whose xid is kept in shared memory. Dropping and creating
+//! the extension again (which restarts stream keys) is noticed through the
+//! relcache invalidation of the dropped catalog table.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -24,7 +26,6 @@ pub struct StreamMeta {
     pub name: String,
     pub key: i32,
     pub seq: pg_sys::Oid,
-    pub seq_name: String,
     pub owns_sequence: bool,
     pub backwards: bool,
     /// None: any instance may write.
@@ -54,6 +55,11 @@ struct Cache {
     streams: HashMap<String, StreamMeta>,
     instance_ids: HashMap<String, i32>,
 }
+
+/// The OID of `streampos.streams` when the cache was last filled: its
+/// relcache invalidation (the table was dropped, with the extension) clears
+/// the cache.
+static mut STREAMS_TABLE: pg_sys::Oid = pg_sys::InvalidOid;
 
 thread_local! {
     static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
@@ -102,6 +108,29 @@ fn with_cache<R>(f: impl FnOnce(&mut Cache) -> R) -> R {
     })
 }
 
+/// Called once per process from `_PG_init`.
+pub fn register_invalidation() {
+    // SAFETY: registers a callback for this process's relcache invalidations.
+    unsafe {
+        pg_sys::CacheRegisterRelcacheCallback(
+            Some(on_relcache_invalidation),
+            pg_sys::Datum::from(0),
+        )
+    };
+}
+
+/// A relcache invalidation: `relid` changed (InvalidOid: every relation).
+/// Only sets a flag (it may run in the middle of anything).
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // SAFETY: a backend-local OID, read only here and where it is set.
+    let ours = unsafe { STREAMS_TABLE };
+    if relid == pg_sys::InvalidOid || (ours != pg_sys::InvalidOid && relid == ours) {
+        CLEAR_ON_NEXT_USE.with(|x| x.set(true));
+        crate::registry::forget_all_indexes();
+    }
+}
+
 /// From the commit and abort callbacks: no allocation, no error.
 pub fn end_transaction(committed: bool) {
     if !committed {
@@ -148,11 +177,12 @@ fn validate_name(what: &str, name: &str, max: usize) -> Result<(), Error> {
 // ------------------------------------------------------------------ streams
 
 fn load_stream(name: &str) -> Option<StreamMeta> {
+    // SAFETY: a backend-local OID, written here, read by the callback.
+    unsafe { STREAMS_TABLE = sql::streams_table_oid() };
     sql::stream_row(name).map(|row| StreamMeta {
         name: name.to_string(),
         key: row.key,
         seq: row.seq,
-        seq_name: row.seq_name,
         owns_sequence: row.owns_sequence,
         backwards: row.backwards,
         writers: row.writers,
@@ -164,7 +194,7 @@ pub fn stream(name: &str) -> Result<StreamMeta, Error> {
     if let Some(meta) = with_cache(|c| c.streams.get(name).cloned()) {
         return Ok(meta);
     }
-    let meta = load_stream(name).ok_or_else(|| Error::UnknownStream(name.to_string()))?;
+    let meta = load_stream(name).ok_or_else(|| Error::UnknownStream(name.into()))?;
     // A snapshot older than the latest catalog change may have read a row
     // that is gone already: use it for this call only.
     if snapshot_sees_catalog(registry::caller_snapshot()) {
@@ -219,13 +249,4 @@ pub fn instance_id(name: &str) -> Result<i32, Error> {
 
 pub fn instance_name(id: i32) -> Option<String> {
     sql::instance_name_of(id)
-}
-
-pub fn instance_names() -> HashMap<i32, String> {
-    sql::instance_names()
-}
-
-/// (instance id, stored position in internal numbering) for the stream.
-pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
-    sql::stored_positions(stream)
 }

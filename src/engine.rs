@@ -1,14 +1,17 @@
 //! The stream engine between the SQL functions and the registry: allocation,
-//! the view a reader's snapshot gets (computed once per statement), the hot
-//! standby's view, and which writers a token lists.
+//! the answer a reader's snapshot gets (one per snapshot and transaction),
+//! the hot standby's answer, and which writers a token lists.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 use pgrx::pg_sys;
-use streampos_core::frontier;
+use streampos_core::frontier::{HeldBy, Holder, Positions};
 
 use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
-use crate::registry::{self, StreamView};
-use crate::{guc, sequence, worker};
+use crate::registry;
+use crate::{guc, sequence, sql, worker};
 
 /// Most IDs one call may allocate.
 pub const MAX_IDS_PER_CALL: i32 = 1_000_000;
@@ -19,13 +22,18 @@ pub fn in_recovery() -> bool {
 }
 
 /// The registry slot of a stream, loading its maximum allocated ID from the
-/// sequence the first time after start-up.
+/// sequence the first time after start-up. Never during recovery: a
+/// standby's sequences are not what its registry should start from once
+/// promoted (they are loaded after promotion instead).
 pub fn registry_index(meta: &StreamMeta) -> usize {
     registry::require_loaded().or_raise();
-    let (index, loaded) = registry::stream_index(meta.key).or_raise();
+    if in_recovery() {
+        Error::ReadOnly("during recovery").report();
+    }
+    let (index, loaded) = registry::stream_index(meta.key, meta.seq).or_raise();
     if !loaded {
-        let max = sequence::max_allocated(meta);
-        let stored: Vec<i32> = catalog::stored_positions(&meta.name)
+        let max = sequence::max_allocated(meta.seq);
+        let stored: Vec<i32> = sql::stored_positions(&meta.name)
             .into_iter()
             .map(|(id, _)| id)
             .collect();
@@ -49,7 +57,10 @@ pub fn with_index<T>(
         }
     }
     Error::Retry {
-        message: format!("stream \"{}\" was dropped concurrently", meta.name),
+        message: format!(
+            "stream \"{}\" was dropped concurrently",
+            crate::error::clip(&meta.name)
+        ),
     }
     .report()
 }
@@ -82,6 +93,10 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
         }
         .report();
     }
+    // Before anything is created or published: the caller must be allowed
+    // to take the sequence's values, and the sequence must be permanent.
+    sequence::check_may_allocate(meta.seq, stream);
+    sequence::check_usable(meta.seq);
     let instance = catalog::instance_id(writer).or_raise();
     if worker::ensure_running() {
         registry::prune_if_crowded().or_raise();
@@ -91,21 +106,16 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     // ERROR, which is fine here.
     let xid = unsafe { pg_sys::GetTopTransactionId() };
     let (index, entry) = with_index(&meta, |index| {
-        Ok(registry::begin_allocation(index, meta.key, instance, xid)?.map(|entry| (index, entry)))
+        Ok(
+            registry::begin_allocation(index, meta.key, meta.seq, instance, writer, xid)?
+                .map(|entry| (index, entry)),
+        )
     });
-    let delay = guc::ALLOCATION_DELAY_MS.get();
-    if delay > 0 {
-        // SAFETY: sleeps this backend; interrupts are checked afterwards.
-        unsafe { pg_sys::pg_usleep(delay as i64 * 1000) };
-    }
-    let mut ids = Vec::with_capacity(n as usize);
-    for _ in 0..n {
-        ids.push(sequence::nextval(meta.seq));
-    }
+    guc::test_pause_in_allocation();
+    let (mut ids, lsn) = sequence::next_values(meta.seq, n);
     let first = ids.first().copied().unwrap_or(0);
     let last = ids.last().copied().unwrap_or(0);
-    let lsn = sequence::page_lsn(meta.seq);
-    registry::finish_allocation(index, entry, instance, first, last, n as i64, lsn).or_raise();
+    registry::finish_allocation(index, entry, first, last, n as i64, lsn).or_raise();
     if meta.backwards {
         ids.iter_mut().for_each(|id| *id = -*id);
     }
@@ -114,75 +124,256 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
 
 // ------------------------------------------------------------------ reading
 
-/// What the caller's statement must treat as in flight for `meta`'s stream.
-pub fn view(meta: &StreamMeta) -> StreamView {
-    if in_recovery() {
-        return standby_view(meta);
-    }
-    let snapshot = registry::caller_snapshot();
-    let key = ViewKey::of(meta.key, snapshot);
-    let cached = VIEW_CACHE.with(|c| {
-        c.borrow()
-            .iter()
-            .find(|(k, _)| *k == key)
-            .map(|(_, v)| v.clone())
-    });
-    if let Some(v) = cached {
-        return v;
-    }
-    let v = with_index(meta, |index| registry::view(index, meta.key, snapshot));
-    VIEW_CACHE.with(|c| {
-        let mut cache = c.borrow_mut();
-        cache.retain(|(k, _)| k.statement == key.statement);
-        if cache.len() >= 16 {
-            cache.remove(0);
+/// What every reading function answers from, for one stream and snapshot.
+#[derive(Clone)]
+pub struct Answer {
+    pub positions: Positions,
+    /// Writers that committed IDs since start-up or have a stored position.
+    pub seen: Vec<i32>,
+}
+
+impl Answer {
+    fn resolve(view: registry::StreamView) -> Answer {
+        Answer {
+            positions: Positions::resolve(view.max_allocated, &view.holders),
+            seen: view.seen,
         }
-        cache.push((key, v.clone()));
-    });
-    v
+    }
+
+    pub fn frontier(&self) -> i64 {
+        self.positions.frontier()
+    }
 }
 
-/// The view for an explicitly chosen snapshot (followers), not cached.
-pub fn view_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> StreamView {
-    with_index(meta, |index| registry::view(index, meta.key, snapshot))
-}
-
-/// One statement's snapshot, as far as positions are concerned.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct ViewKey {
-    stream: i32,
-    snapshot: usize,
+/// A snapshot's identity is its contents, not its address (a statement's
+/// snapshot is a copy, and copies come and go): two snapshots with the same
+/// xmin, xmax and in-progress xids see the same transactions as ended.
+struct SnapshotContents {
     xmin: u32,
     xmax: u32,
-    completion_count: u64,
-    statement: pg_sys::TimestampTz,
+    during_recovery: bool,
+    suboverflowed: bool,
+    xip: Vec<u32>,
+    subxip: Vec<u32>,
 }
 
-impl ViewKey {
-    fn of(stream: i32, snapshot: pg_sys::Snapshot) -> ViewKey {
-        // SAFETY: `snapshot` is the caller's valid snapshot.
-        unsafe {
-            ViewKey {
-                stream,
-                snapshot: snapshot as usize,
-                xmin: (*snapshot).xmin.into_inner(),
-                xmax: (*snapshot).xmax.into_inner(),
-                completion_count: (*snapshot).snapXactCompletionCount,
-                statement: pg_sys::GetCurrentStatementStartTimestamp(),
+/// The in-progress xids of a snapshot (a copy of the array is never made
+/// unless the snapshot is new to the cache).
+fn xid_slices(s: &pg_sys::SnapshotData) -> (&[pg_sys::TransactionId], &[pg_sys::TransactionId]) {
+    // SAFETY: xip has xcnt entries and subxip subxcnt entries (or the
+    // pointers are unused when the counts are 0).
+    unsafe {
+        let xip = if s.xcnt == 0 || s.xip.is_null() {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(s.xip, s.xcnt as usize)
+        };
+        let subxip = if s.subxcnt <= 0 || s.subxip.is_null() {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(s.subxip, s.subxcnt as usize)
+        };
+        (xip, subxip)
+    }
+}
+
+/// An order-independent hash of a snapshot's contents.
+fn contents_hash(s: &pg_sys::SnapshotData) -> u64 {
+    fn mix(x: u64) -> u64 {
+        // splitmix64's finaliser: a cheap, well-spread mixing function.
+        let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    let (xip, subxip) = xid_slices(s);
+    let xip_sum = xip.iter().fold(0u64, |acc, x| {
+        acc.wrapping_add(mix(u64::from(x.into_inner())))
+    });
+    let subxip_sum = subxip.iter().fold(0u64, |acc, x| {
+        acc.wrapping_add(mix(u64::from(x.into_inner()) | 1 << 40))
+    });
+    mix(u64::from(s.xmin.into_inner()))
+        ^ mix(u64::from(s.xmax.into_inner()) << 1)
+        ^ mix(u64::from(s.takenDuringRecovery) << 33 | u64::from(s.suboverflowed) << 34)
+        ^ xip_sum.rotate_left(17)
+        ^ subxip_sum.rotate_left(41)
+}
+
+impl SnapshotContents {
+    fn of(s: &pg_sys::SnapshotData) -> SnapshotContents {
+        let (xip, subxip) = xid_slices(s);
+        let mut xip: Vec<u32> = xip.iter().map(|x| x.into_inner()).collect();
+        let mut subxip: Vec<u32> = subxip.iter().map(|x| x.into_inner()).collect();
+        xip.sort_unstable();
+        subxip.sort_unstable();
+        SnapshotContents {
+            xmin: s.xmin.into_inner(),
+            xmax: s.xmax.into_inner(),
+            during_recovery: s.takenDuringRecovery,
+            suboverflowed: s.suboverflowed,
+            xip,
+            subxip,
+        }
+    }
+
+    fn same_as(&self, s: &pg_sys::SnapshotData) -> bool {
+        let (xip, subxip) = xid_slices(s);
+        self.xmin == s.xmin.into_inner()
+            && self.xmax == s.xmax.into_inner()
+            && self.during_recovery == s.takenDuringRecovery
+            && self.suboverflowed == s.suboverflowed
+            && self.xip.len() == xip.len()
+            && self.subxip.len() == subxip.len()
+            && xip
+                .iter()
+                .all(|x| self.xip.binary_search(&x.into_inner()).is_ok())
+            && subxip
+                .iter()
+                .all(|x| self.subxip.binary_search(&x.into_inner()).is_ok())
+    }
+}
+
+/// Answers already given in this transaction, per snapshot contents and
+/// stream. See `docs/design.md`, "One answer per snapshot".
+struct AnswerCache {
+    /// The local transaction id the answers belong to.
+    lxid: u32,
+    /// By contents hash; collisions are told apart by the full contents.
+    entries: HashMap<u64, Vec<CacheEntry>>,
+    len: usize,
+    clock: u64,
+}
+
+struct CacheEntry {
+    contents: SnapshotContents,
+    /// (stream key, sequence) -> the answer.
+    answers: HashMap<(i32, pg_sys::Oid), Answer>,
+    last_used: u64,
+}
+
+/// Distinct snapshots remembered per transaction. Beyond it the least
+/// recently used is forgotten: a snapshot that is used again after this
+/// many others were (a cursor read between that many other statements)
+/// gets its answer again, which may then be higher.
+const MAX_CACHED_SNAPSHOTS: usize = 8192;
+
+thread_local! {
+    static ANSWERS: RefCell<AnswerCache> = RefCell::new(AnswerCache {
+        lxid: 0,
+        entries: HashMap::new(),
+        len: 0,
+        clock: 0,
+    });
+}
+
+fn current_lxid() -> u32 {
+    // SAFETY: MyProc is this backend's PGPROC.
+    unsafe { (*pg_sys::MyProc).lxid }
+}
+
+impl AnswerCache {
+    fn get(
+        &mut self,
+        hash: u64,
+        s: &pg_sys::SnapshotData,
+        stream: (i32, pg_sys::Oid),
+    ) -> Option<Answer> {
+        let lxid = current_lxid();
+        if self.lxid != lxid {
+            self.entries.clear();
+            self.len = 0;
+            self.lxid = lxid;
+        }
+        self.clock += 1;
+        let clock = self.clock;
+        let entry = self
+            .entries
+            .get_mut(&hash)?
+            .iter_mut()
+            .find(|e| e.contents.same_as(s))?;
+        entry.last_used = clock;
+        entry.answers.get(&stream).cloned()
+    }
+
+    fn put(
+        &mut self,
+        hash: u64,
+        s: &pg_sys::SnapshotData,
+        stream: (i32, pg_sys::Oid),
+        answer: Answer,
+    ) {
+        let clock = self.clock;
+        if let Some(entry) = self
+            .entries
+            .get_mut(&hash)
+            .and_then(|v| v.iter_mut().find(|e| e.contents.same_as(s)))
+        {
+            entry.answers.insert(stream, answer);
+            return;
+        }
+        if self.len >= MAX_CACHED_SNAPSHOTS {
+            self.evict_least_recent();
+        }
+        let mut answers = HashMap::new();
+        answers.insert(stream, answer);
+        self.entries.entry(hash).or_default().push(CacheEntry {
+            contents: SnapshotContents::of(s),
+            answers,
+            last_used: clock,
+        });
+        self.len += 1;
+    }
+
+    fn evict_least_recent(&mut self) {
+        let oldest = self
+            .entries
+            .iter()
+            .flat_map(|(h, v)| v.iter().enumerate().map(move |(i, e)| (e.last_used, *h, i)))
+            .min();
+        if let Some((_, hash, i)) = oldest {
+            if let Some(v) = self.entries.get_mut(&hash) {
+                v.swap_remove(i);
+                if v.is_empty() {
+                    self.entries.remove(&hash);
+                }
+                self.len -= 1;
             }
         }
     }
 }
 
-thread_local! {
-    /// Answers already given in this statement. `frontier()` is STABLE: the
-    /// same statement must get the same answer, or `WHERE id <= frontier(s)`
-    /// could filter early rows with one value and report a later, higher
-    /// one (an abort or a WAL flush moves the answer for the same
-    /// snapshot). A cached answer stays correct for the snapshot: IDs
-    /// allocated since are above it.
-    static VIEW_CACHE: std::cell::RefCell<Vec<(ViewKey, StreamView)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+/// The answer for the caller's statement: for its snapshot, the first one
+/// computed in this transaction, so that every call with that snapshot
+/// (in one statement, across a cursor's fetches, in later statements of a
+/// REPEATABLE READ transaction) answers the same.
+pub fn answer(meta: &StreamMeta) -> Answer {
+    answer_for(meta, registry::caller_snapshot())
+}
+
+/// As `answer`, for an explicitly chosen snapshot.
+pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
+    // SAFETY: `snapshot` is a valid snapshot of this transaction.
+    let s = unsafe { &*snapshot };
+    let hash = contents_hash(s);
+    let stream = (meta.key, meta.seq);
+    if let Some(a) = ANSWERS.with(|c| c.borrow_mut().get(hash, s, stream)) {
+        return a;
+    }
+    let a = fresh_answer(meta, snapshot);
+    ANSWERS.with(|c| c.borrow_mut().put(hash, s, stream, a.clone()));
+    a
+}
+
+/// The answer for `snapshot` computed now, not remembered (followers that
+/// wait use a new latest snapshot each time).
+pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
+    if in_recovery() {
+        return standby_answer(meta);
+    }
+    Answer::resolve(with_index(meta, |index| {
+        registry::view(index, meta.key, meta.seq, snapshot)
+    }))
 }
 
 /// A hot standby cannot see what is in flight on the primary (and its
@@ -190,39 +381,35 @@ thread_local! {
 /// from the durable positions, which replicate in commit order and are never
 /// ahead of the truth. Writers without a stored position read as the
 /// frontier (see writer_position).
-fn standby_view(meta: &StreamMeta) -> StreamView {
-    let stored = catalog::stored_positions(&meta.name);
+fn standby_answer(meta: &StreamMeta) -> Answer {
+    let stored = sql::stored_positions(&meta.name);
     let max_allocated = stored.iter().map(|(_, p)| *p).max().unwrap_or(0);
-    let holders = stored
+    let holders: Vec<Holder> = stored
         .iter()
         .filter(|(_, p)| *p < max_allocated)
-        .map(|(w, p)| frontier::Holder {
-            held_by: frontier::HeldBy::Writer(*w),
+        .map(|(w, p)| Holder {
+            held_by: HeldBy::Writer(*w),
             min_id: p + 1,
         })
         .collect();
-    StreamView {
-        max_allocated,
-        holders,
+    Answer {
+        positions: Positions::resolve(max_allocated, &holders),
         seen: stored.iter().map(|(w, _)| *w).collect(),
     }
 }
 
 /// The writers a token or `writer_positions` reports: the configured ones,
-/// or for an open stream every instance seen writing since start-up (or
+/// or for an open stream every instance seen committing since start-up (or
 /// with a stored position when the stream was first used) or holding IDs now.
-pub fn writer_ids(meta: &StreamMeta, v: &StreamView) -> Vec<i32> {
+pub fn writer_ids(meta: &StreamMeta, a: &Answer) -> Vec<i32> {
     let mut ids: Vec<i32> = match &meta.writers {
         Some(names) => names
             .iter()
             .filter_map(|n| catalog::lookup_instance_id(n))
             .collect(),
         None => {
-            let mut ids = v.seen.clone();
-            ids.extend(v.holders.iter().filter_map(|h| match h.held_by {
-                frontier::HeldBy::Writer(w) => Some(w),
-                frontier::HeldBy::AllWriters => None,
-            }));
+            let mut ids = a.seen.clone();
+            ids.extend(a.positions.held_writers());
             ids
         }
     };

@@ -6,18 +6,57 @@ use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode as Code;
 use streampos_core::token::TokenError;
 
+/// Longest name (stream, instance) echoed in a message, in bytes; longer
+/// ones are cut with "...". Names are at most 63 bytes when valid, and a
+/// message must not echo unbounded input.
+const MAX_ECHOED_NAME: usize = 63;
+
+/// `name` as a message may echo it: at most `MAX_ECHOED_NAME` bytes.
+pub fn clip(name: &str) -> String {
+    if name.len() <= MAX_ECHOED_NAME {
+        return name.to_string();
+    }
+    let mut end = MAX_ECHOED_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &name[..end])
+}
+
+/// A name from the caller, clipped when shown.
+#[derive(Debug)]
+pub struct Name(String);
+
+impl std::fmt::Display for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&clip(&self.0))
+    }
+}
+
+impl From<&str> for Name {
+    fn from(s: &str) -> Name {
+        Name(s.to_string())
+    }
+}
+
+impl From<String> for Name {
+    fn from(s: String) -> Name {
+        Name(s)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("stream \"{0}\" does not exist")]
-    UnknownStream(String),
+    UnknownStream(Name),
     #[error("stream \"{0}\" already exists")]
-    StreamExists(String),
+    StreamExists(Name),
     #[error("instance \"{0}\" does not exist")]
-    UnknownInstanceName(String),
+    UnknownInstanceName(Name),
     #[error("instance {0} does not exist")]
     UnknownInstanceId(i32),
     #[error("instance \"{instance}\" is not a writer of stream \"{stream}\"")]
-    NotAWriter { stream: String, instance: String },
+    NotAWriter { stream: Name, instance: Name },
     #[error("streampos is not loaded")]
     NotLoaded,
     #[error("streampos registry is full")]
@@ -29,6 +68,27 @@ pub enum Error {
     Prepare,
     #[error("cannot allocate stream IDs {0}")]
     ReadOnly(&'static str),
+    /// Something that needs the primary's registry, on a hot standby.
+    #[error("cannot {0} during recovery")]
+    Recovery(&'static str),
+    /// A follower's position is beyond anything this server allocated: it
+    /// followed a server whose commits this one does not have.
+    #[error("{what} {position} of stream \"{stream}\" is beyond anything this server allocated")]
+    AheadOfServer {
+        what: &'static str,
+        stream: Name,
+        position: String,
+        max_allocated: i64,
+    },
+    /// Input beyond a documented size limit.
+    #[error("{what} is too large")]
+    TooLarge { what: String, limit: String },
+    #[error("streampos.instances rows cannot be changed or deleted")]
+    InstancesImmutable,
+    #[error("must be owner of {0}")]
+    NotOwner(String),
+    #[error("permission denied for table {0}")]
+    NoSelect(String),
     #[error("{message}")]
     InvalidArgument {
         message: String,
@@ -39,8 +99,14 @@ pub enum Error {
         message: String,
         detail: Option<String>,
     },
-    #[error("column \"{column}\" of relation \"{table}\" does not exist")]
-    UnknownColumn { column: String, table: String },
+    #[error("\"{0}\" is not a sequence")]
+    NotASequence(String),
+    #[error("sequence {seq} is not permanent")]
+    NotPermanent { seq: String, unlogged: bool },
+    #[error("permission denied to allocate IDs of stream \"{stream}\"")]
+    MayNotAllocate { stream: Name, seq: String },
+    #[error("column \"{column}\" of relation {table} does not exist")]
+    UnknownColumn { column: Name, table: String },
     #[error("cannot wait for stream positions on a hot standby")]
     StandbyWait,
     /// A race with a concurrent change: retrying the transaction succeeds.
@@ -67,14 +133,23 @@ impl Error {
             | Error::UnknownInstanceName(_)
             | Error::UnknownInstanceId(_) => Code::ERRCODE_UNDEFINED_OBJECT,
             Error::StreamExists(_) => Code::ERRCODE_DUPLICATE_OBJECT,
-            Error::NotAWriter { .. } | Error::NotLoaded | Error::InvalidState { .. } => {
-                Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE
-            }
+            Error::NotAWriter { .. }
+            | Error::NotLoaded
+            | Error::InvalidState { .. }
+            | Error::InstancesImmutable => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::RegistryFull { .. } => Code::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             Error::Prepare => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
-            Error::ReadOnly(_) => Code::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            Error::ReadOnly(_) | Error::Recovery(_) => Code::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            // A code of its own among ours: class 72 says the state asked about
+            // is not available here; the follower must resynchronise.
+            Error::AheadOfServer { .. } => Code::ERRCODE_SNAPSHOT_TOO_OLD,
+            Error::TooLarge { .. } => Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            Error::NotOwner(_) | Error::NoSelect(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
             Error::UnknownColumn { .. } => Code::ERRCODE_UNDEFINED_COLUMN,
+            Error::NotASequence(_) => Code::ERRCODE_INVALID_PARAMETER_VALUE,
+            Error::NotPermanent { .. } => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Error::MayNotAllocate { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::Retry { .. } => Code::ERRCODE_T_R_SERIALIZATION_FAILURE,
             Error::Internal(_) => Code::ERRCODE_INTERNAL_ERROR,
@@ -94,6 +169,22 @@ impl Error {
                 "The writers of stream \"{stream}\" are listed in streampos.streams; change them with streampos.set_writers()."
             )),
             Error::RegistryFull { what, .. } => Some(format!("No free {what} is left.")),
+            Error::NotPermanent { unlogged, .. } => Some(if *unlogged {
+                "An UNLOGGED sequence is reset at crash recovery and would hand out its IDs again.".into()
+            } else {
+                "A temporary sequence belongs to one session.".into()
+            }),
+            Error::MayNotAllocate { seq, .. } => Some(format!(
+                "Allocating needs USAGE or UPDATE on the stream's sequence {seq}, as nextval() does."
+            )),
+            Error::AheadOfServer { max_allocated, .. } => Some(format!(
+                "The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower."
+            )),
+            Error::TooLarge { limit, .. } => Some(limit.clone()),
+            Error::InstancesImmutable => Some(
+                "Instance ids appear in tokens; renaming or reusing one would change what old tokens mean."
+                    .into(),
+            ),
             Error::Prepare => Some(
                 "Stream IDs must be finished when their transaction ends; a prepared transaction would hold them in flight indefinitely."
                     .into(),
@@ -116,6 +207,13 @@ impl Error {
             Error::UnknownStream(_) => Some("Create it with streampos.create_stream() or streampos.adopt_stream().".into()),
             Error::StandbyWait => Some("Poll streampos.stream_positions, or follow the primary.".into()),
             Error::Retry { .. } => Some("Retry the transaction.".into()),
+            Error::AheadOfServer { .. } => Some(
+                "Start the follower again from a token this server gave (e.g. streampos.current_token()), or from nothing."
+                    .into(),
+            ),
+            Error::MayNotAllocate { seq, .. } => {
+                Some(format!("GRANT USAGE ON SEQUENCE {seq} TO the writing role."))
+            }
             _ => None,
         }
     }

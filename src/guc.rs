@@ -8,12 +8,40 @@ pub static MAX_STREAMS: GucSetting<i32> = GucSetting::<i32>::new(256);
 pub static MAX_STREAMS_PER_TRANSACTION: GucSetting<i32> = GucSetting::<i32>::new(8);
 /// Recently committed allocations remembered for snapshots that may not see
 /// them yet; beyond this they are folded into one summary per stream.
-pub static FINISHED_RING_SIZE: GucSetting<i32> = GucSetting::<i32>::new(4096);
+pub static FINISHED_RING_SIZE: GucSetting<i32> = GucSetting::<i32>::new(65536);
 /// How often the background worker writes `streampos.stream_positions`.
 pub static POSITION_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(200);
-/// Test only: sleep between publishing the lower bound and calling nextval,
-/// to prove that readers respect the lower bound.
-pub static ALLOCATION_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Test builds only (feature `test-hooks`): sleep between publishing the
+/// lower bound and calling nextval, to prove that readers respect the lower
+/// bound.
+#[cfg(feature = "test-hooks")]
+static ALLOCATION_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Test builds only: sleep in the commit or abort callback before the
+/// transaction's IDs are released, to prove that readers are right while a
+/// transaction is visible as ended but still registered.
+#[cfg(feature = "test-hooks")]
+static RELEASE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
+
+/// Test builds: the allocation pause point. Release builds: nothing.
+pub fn test_pause_in_allocation() {
+    #[cfg(feature = "test-hooks")]
+    pause(ALLOCATION_DELAY_MS.get());
+}
+
+/// Test builds: the release pause point (called from the commit and abort
+/// callbacks: it only sleeps). Release builds: nothing.
+pub fn test_pause_before_release() {
+    #[cfg(feature = "test-hooks")]
+    pause(RELEASE_DELAY_MS.get());
+}
+
+#[cfg(feature = "test-hooks")]
+fn pause(ms: i32) {
+    if ms > 0 {
+        // SAFETY: sleeps this process; raises no error.
+        unsafe { pgrx::pg_sys::pg_usleep(i64::from(ms) * 1000) };
+    }
+}
 
 /// `preloading`: PGC_POSTMASTER settings can only be defined while
 /// shared_preload_libraries is processed; a later load (for the token types
@@ -71,11 +99,27 @@ fn define_runtime() {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    #[cfg(feature = "test-hooks")]
+    define_test_hooks();
+}
+
+#[cfg(feature = "test-hooks")]
+fn define_test_hooks() {
     GucRegistry::define_int_guc(
         c"streampos.test_allocation_delay_ms",
-        c"Testing only: delay between registering an allocation and calling nextval.",
+        c"Test builds only: delay between registering an allocation and calling nextval.",
         c"",
         &ALLOCATION_DELAY_MS,
+        0,
+        60_000,
+        GucContext::Suset,
+        GucFlags::UNIT_MS | GucFlags::NO_SHOW_ALL,
+    );
+    GucRegistry::define_int_guc(
+        c"streampos.test_release_delay_ms",
+        c"Test builds only: delay in the commit and abort callbacks before IDs are released.",
+        c"",
+        &RELEASE_DELAY_MS,
         0,
         60_000,
         GucContext::Suset,

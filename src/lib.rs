@@ -53,6 +53,7 @@ pub extern "C-unwind" fn _PG_init() {
         registry::request_shared_memory();
     }
     xact::register_callbacks();
+    catalog::register_invalidation();
 }
 
 /// Tests that need a backend but not concurrency (those are in tests/, driven

@@ -1,55 +1,127 @@
-//! A stream's sequence: handing out IDs, how far its WAL must be durable,
-//! what it has handed out so far, and its settings.
+//! A stream's sequence, always by OID, never by name: handing out IDs, the
+//! WAL position that makes them durable, what it has handed out so far, and
+//! its settings. Reading its state needs no privilege on it and runs no SQL
+//! (nothing in the caller's search_path can stand in for it).
 
 use pgrx::pg_sys;
 
-use crate::catalog::StreamMeta;
+use crate::error::Error;
 use crate::{ffi, sql};
 
-/// `nextval` without the SQL call overhead. EXECUTE on next_id() is the
-/// permission that matters, so the sequence's own is not checked.
-pub fn nextval(seq: pg_sys::Oid) -> i64 {
-    // SAFETY: `seq` is a sequence's OID from the stream catalog; errors
-    // (e.g. a dropped sequence) are raised as PostgreSQL ERRORs through the
-    // guarded boundary.
-    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| ffi::nextval_internal(seq, false)) }
+/// The sequence's tuple (`FormData_pg_sequence_data`, commands/sequence.h).
+#[repr(C)]
+struct SequenceData {
+    last_value: i64,
+    log_cnt: i64,
+    is_called: bool,
 }
 
-/// The LSN of the sequence's page: the end of the WAL record that made the
-/// values just handed out survive a crash (nextval logs 32 values ahead,
-/// whichever backend's call wrote it). Until the WAL is flushed that far, a
-/// crash could hand these IDs out again.
-pub fn page_lsn(seq: pg_sys::Oid) -> u64 {
-    // SAFETY: the relation is opened and locked for the duration; block 0 of
-    // a sequence always exists; the buffer is pinned and share-locked while
-    // its page header is read; errors are raised through the guarded
+/// Open `seq`, check that it is a permanent sequence, and run `f` on its
+/// first page with the buffer share-locked. Errors are PostgreSQL ERRORs
+/// (a dropped relation) or ours (not a sequence, not permanent).
+fn with_page<T>(seq: pg_sys::Oid, f: impl FnOnce(*const pg_sys::PageHeaderData) -> T) -> T {
+    // SAFETY: the relation is opened and locked for the duration; block 0
+    // of a sequence always exists; the buffer is pinned and share-locked
+    // while `f` reads its page; PostgreSQL errors cross the guarded
     // boundary.
-    unsafe {
+    let (kind, persistence, value) = unsafe {
         pg_sys::ffi::pg_guard_ffi_boundary(|| {
             let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-            // nextval already holds a stronger lock: this is a local lookup.
             let rel = pg_sys::relation_open(seq, lock);
+            let kind = (*(*rel).rd_rel).relkind as u8;
+            let persistence = (*(*rel).rd_rel).relpersistence as u8;
+            if kind != pg_sys::RELKIND_SEQUENCE || persistence != pg_sys::RELPERSISTENCE_PERMANENT {
+                pg_sys::relation_close(rel, lock);
+                return (kind, persistence, None);
+            }
             let buffer = pg_sys::ReadBuffer(rel, 0);
             pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
-            let page = if buffer > 0 {
-                pg_sys::BufferBlocks.add((buffer as usize - 1) * pg_sys::BLCKSZ as usize)
-                    as *const pg_sys::PageHeaderData
-            } else {
-                *pg_sys::LocalBufferBlockPointers.add((-buffer - 1) as usize)
-                    as *const pg_sys::PageHeaderData
-            };
-            let lsn = ((*page).pd_lsn.xlogid as u64) << 32 | (*page).pd_lsn.xrecoff as u64;
+            let page = pg_sys::BufferBlocks.add((buffer as usize - 1) * pg_sys::BLCKSZ as usize)
+                as *const pg_sys::PageHeaderData;
+            let value = f(page);
             pg_sys::UnlockReleaseBuffer(buffer);
             pg_sys::relation_close(rel, lock);
-            lsn
+            (kind, persistence, Some(value))
         })
+    };
+    match value {
+        Some(value) => value,
+        None if kind != pg_sys::RELKIND_SEQUENCE => {
+            Error::NotASequence(sql::relation_name(seq)).report()
+        }
+        None => Error::NotPermanent {
+            seq: sql::relation_name(seq),
+            unlogged: persistence == pg_sys::RELPERSISTENCE_UNLOGGED,
+        }
+        .report(),
     }
 }
 
-/// The highest value the sequence has handed out (internal numbering).
-/// `is_called = false` means `last_value` is not handed out yet.
-pub fn max_allocated(meta: &StreamMeta) -> i64 {
-    let (last, called) = sql::sequence_state(&meta.seq_name);
+/// Refuse a sequence a stream cannot use: not a sequence, or not permanent
+/// (an UNLOGGED sequence resets at crash recovery and would hand out its IDs
+/// again; a TEMP one is another session's).
+pub fn check_usable(seq: pg_sys::Oid) {
+    with_page(seq, |_| ());
+}
+
+/// Refuse an allocation the caller may not make: `nextval` needs USAGE or
+/// UPDATE on the sequence, and so does `next_id`.
+pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
+    // SAFETY: a catalog lookup for the current role; raises an ERROR itself
+    // only for a missing relation.
+    let result = unsafe {
+        pg_sys::pg_class_aclcheck(
+            seq,
+            pg_sys::GetUserId(),
+            (pg_sys::ACL_USAGE | pg_sys::ACL_UPDATE) as pg_sys::AclMode,
+        )
+    };
+    if result != pg_sys::AclResult::ACLCHECK_OK {
+        Error::MayNotAllocate {
+            stream: stream.into(),
+            seq: sql::relation_name(seq),
+        }
+        .report();
+    }
+}
+
+/// `n` values of the sequence, and the end of the WAL record that makes
+/// them survive a crash: the LSN of the sequence's page after the last
+/// `nextval` (nextval logs 32 values ahead, whichever backend's call wrote
+/// it). Privileges were checked by `check_may_allocate`.
+pub fn next_values(seq: pg_sys::Oid, n: i32) -> (Vec<i64>, u64) {
+    let mut ids = Vec::with_capacity(n.max(0) as usize);
+    for _ in 0..n {
+        // SAFETY: `seq` is a usable sequence (checked); errors such as
+        // reaching MAXVALUE are PostgreSQL ERRORs crossing the boundary.
+        ids.push(unsafe {
+            pg_sys::ffi::pg_guard_ffi_boundary(|| ffi::nextval_internal(seq, false))
+        });
+    }
+    let lsn = with_page(seq, |page| {
+        // SAFETY: `page` is the share-locked first page of the sequence.
+        let lsn = unsafe { (*page).pd_lsn };
+        (lsn.xlogid as u64) << 32 | lsn.xrecoff as u64
+    });
+    (ids, lsn)
+}
+
+/// The highest value the sequence has handed out (internal numbering):
+/// `last_value`, or one less while `is_called` is false (not handed out).
+pub fn max_allocated(seq: pg_sys::Oid) -> i64 {
+    let (last, called) = with_page(seq, |page| {
+        // SAFETY: a sequence page holds exactly one tuple, at the first line
+        // pointer; its data starts at t_hoff and is a SequenceData. The page
+        // is share-locked while it is read.
+        unsafe {
+            let item = &*(*page).pd_linp.as_ptr();
+            let tuple = (page as *const u8).add(item.lp_off() as usize)
+                as *const pg_sys::HeapTupleHeaderData;
+            let data = (tuple as *const u8).add((*tuple).t_hoff as usize) as *const SequenceData;
+            let data = std::ptr::read_unaligned(data);
+            (data.last_value, data.is_called)
+        }
+    });
     if called {
         last
     } else {

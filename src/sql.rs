@@ -1,13 +1,27 @@
 //! Every SQL statement the extension runs internally, and the one way it
-//! runs them (SPI). Nothing else in the crate builds or executes SQL: the
-//! rules that make internal SQL safe to run for any caller hold here.
+//! runs them (SPI). Nothing else in the crate builds or executes SQL, so the
+//! rules that make internal SQL safe for any caller hold here:
+//!
+//! - every statement runs with `search_path = pg_catalog, pg_temp` (nothing
+//!   in the caller's path can stand in for a function, operator, type or
+//!   relation), and still schema-qualifies every function, operator and type
+//!   it names;
+//! - relations are referred to by OID; when SQL text must name one (a table
+//!   to read, a sequence to drop), the name is taken from the catalog for
+//!   that OID at the moment of use, never remembered;
+//! - the catalog tables are written only here, as the extension's owner
+//!   (`as_owner`), never with the caller's privileges: nobody else may write
+//!   them;
+//! - what reads or changes the caller's own objects (their tables in
+//!   `updates` and `check_stream`, `setval` on their sequence) runs with the
+//!   caller's privileges.
 
 use std::collections::HashMap;
+use std::ffi::{CStr, CString};
 
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiResult, SpiTupleTable};
-use serde_json::Value;
 
 use crate::error::Error;
 
@@ -17,6 +31,63 @@ fn spi<T>(result: SpiResult<T>) -> T {
     match result {
         Ok(v) => v,
         Err(e) => Error::Internal(format!("internal query failed: {e}")).report(),
+    }
+}
+
+/// Run `f` with `search_path = pg_catalog, pg_temp`. The setting is
+/// restored afterwards, or by the abort of the (sub)transaction when `f`
+/// raises an ERROR.
+fn with_safe_path<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: a GUC nest level is opened and closed around `f`; on ERROR,
+    // transaction abort unwinds GUC nest levels itself.
+    unsafe {
+        let level = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"search_path".as_ptr(),
+            c"pg_catalog, pg_temp".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        let value = f();
+        pg_sys::AtEOXact_GUC(true, level);
+        value
+    }
+}
+
+/// The role that owns the extension (and its catalog tables).
+fn extension_owner() -> pg_sys::Oid {
+    select_one::<pg_sys::Oid>(
+        "SELECT e.extowner FROM pg_catalog.pg_extension e \
+         WHERE e.extname OPERATOR(pg_catalog.=) 'streampos'",
+        &[],
+    )
+    .unwrap_or_else(|| Error::Internal("extension streampos is not installed".into()).report())
+}
+
+/// Run `f` as the extension's owner, in a security-restricted operation,
+/// for writes to the catalog tables. The caller's identity is restored
+/// afterwards, or by the abort of the (sub)transaction on ERROR.
+fn as_owner<T>(f: impl FnOnce() -> T) -> T {
+    let owner = extension_owner();
+    // SAFETY: the user id and security context are saved and restored
+    // around `f`; on ERROR, (sub)transaction abort restores them itself.
+    unsafe {
+        let mut saved_user = pg_sys::InvalidOid;
+        let mut saved_context = 0;
+        pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        pg_sys::SetUserIdAndSecContext(
+            owner,
+            saved_context
+                | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
+                | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
+        );
+        let value = f();
+        pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        value
     }
 }
 
@@ -32,23 +103,31 @@ fn first_one<T: FromDatum + IntoDatum>(table: SpiTupleTable) -> SpiResult<Option
 
 /// Run a statement that changes something.
 fn run(query: &str, args: &[DatumWithOid]) {
-    spi(Spi::connect_mut(|client| {
-        client.update(query, None, args).map(|_| ())
-    }));
+    with_safe_path(|| {
+        spi(Spi::connect_mut(|client| {
+            client.update(query, None, args).map(|_| ())
+        }))
+    });
 }
 
 /// The first column of the first row of a read-only query.
 fn select_one<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
-    spi(Spi::connect(|client| {
-        first_one::<T>(client.select(query, Some(1), args)?)
-    }))
+    with_safe_path(|| {
+        spi(Spi::connect(|client| {
+            first_one::<T>(client.select(query, Some(1), args)?)
+        }))
+    })
 }
 
-/// The first column of the first row of a statement that changes something.
+/// The first column of the first row of a statement that changes something
+/// or must see the latest commits (a read-write SPI call takes a new
+/// snapshot under READ COMMITTED).
 fn update_one<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
-    spi(Spi::connect_mut(|client| {
-        first_one::<T>(client.update(query, Some(1), args)?)
-    }))
+    with_safe_path(|| {
+        spi(Spi::connect_mut(|client| {
+            first_one::<T>(client.update(query, Some(1), args)?)
+        }))
+    })
 }
 
 /// Every row of a read-only query, each converted by `row`.
@@ -57,19 +136,57 @@ fn select_all<T>(
     args: &[DatumWithOid],
     mut row: impl FnMut(pgrx::spi::SpiHeapTupleData) -> SpiResult<Option<T>>,
 ) -> Vec<T> {
-    spi(Spi::connect(|client| {
-        let mut out = Vec::new();
-        for r in client.select(query, None, args)? {
-            if let Some(v) = row(r)? {
-                out.push(v);
+    with_safe_path(|| {
+        spi(Spi::connect(|client| {
+            let mut out = Vec::new();
+            for r in client.select(query, None, args)? {
+                if let Some(v) = row(r)? {
+                    out.push(v);
+                }
             }
-        }
-        Ok(out)
-    }))
+            Ok(out)
+        }))
+    })
 }
 
-fn quote_ident(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\""))
+/// `ident` quoted for SQL text when it needs quoting (PostgreSQL's own rule).
+fn quote_ident(ident: &str) -> String {
+    let Ok(c) = CString::new(ident) else {
+        // Identifiers come from the catalog and never contain NUL.
+        return format!("\"{}\"", ident.replace('"', "\"\""));
+    };
+    // SAFETY: quote_identifier returns its argument or a palloc'd copy,
+    // both valid NUL-terminated strings for the duration of this call.
+    unsafe {
+        CStr::from_ptr(pg_sys::quote_identifier(c.as_ptr()))
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// The schema-qualified, quoted name of relation `oid` now, for SQL text
+/// and messages; `oid <n>` if it no longer exists.
+pub fn relation_name(oid: pg_sys::Oid) -> String {
+    // SAFETY: syscache lookups that return NULL (not an ERROR) for a missing
+    // relation or schema; the strings are palloc'd and NUL-terminated.
+    unsafe {
+        let rel = pg_sys::get_rel_name(oid);
+        let nsp = pg_sys::get_namespace_name(pg_sys::get_rel_namespace(oid));
+        if rel.is_null() || nsp.is_null() {
+            return format!("oid {}", oid.to_u32());
+        }
+        let rel = CStr::from_ptr(rel).to_string_lossy();
+        let nsp = CStr::from_ptr(nsp).to_string_lossy();
+        format!("{}.{}", quote_ident(&nsp), quote_ident(&rel))
+    }
+}
+
+/// The name of role `oid`, quoted for SQL text.
+fn role_name(oid: pg_sys::Oid) -> String {
+    // SAFETY: with noerr = false a missing role is an ERROR; the result is a
+    // palloc'd NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(pg_sys::GetUserNameFromId(oid, false)) };
+    quote_ident(&name.to_string_lossy())
 }
 
 // ------------------------------------------------------------------ catalog
@@ -78,68 +195,101 @@ fn quote_ident(s: &str) -> String {
 pub struct StreamRow {
     pub key: i32,
     pub seq: pg_sys::Oid,
-    pub seq_name: String,
     pub owns_sequence: bool,
     pub backwards: bool,
     pub writers: Option<Vec<String>>,
 }
 
 pub fn stream_row(name: &str) -> Option<StreamRow> {
-    spi(Spi::connect(|client| -> SpiResult<Option<StreamRow>> {
-        let table = client.select(
-            "SELECT stream_key, seq::oid, seq::text, owns_sequence, backwards, writers \
-             FROM streampos.streams WHERE stream_name = $1",
-            Some(1),
-            &[name.into()],
-        )?;
-        if table.is_empty() {
-            return Ok(None);
-        }
-        let row = table.first();
-        let writers: Option<Vec<Option<String>>> = row.get(6)?;
-        Ok(Some(StreamRow {
-            key: row.get(1)?.unwrap_or_default(),
-            seq: row.get(2)?.unwrap_or(pg_sys::InvalidOid),
-            seq_name: row.get(3)?.unwrap_or_default(),
-            owns_sequence: row.get(4)?.unwrap_or_default(),
-            backwards: row.get(5)?.unwrap_or_default(),
-            writers: writers.map(|w| w.into_iter().flatten().collect()),
+    with_safe_path(|| {
+        spi(Spi::connect(|client| -> SpiResult<Option<StreamRow>> {
+            let table = client.select(
+                "SELECT s.stream_key, s.seq::pg_catalog.oid, s.owns_sequence, s.backwards, s.writers \
+                 FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1",
+                Some(1),
+                &[name.into()],
+            )?;
+            if table.is_empty() {
+                return Ok(None);
+            }
+            let row = table.first();
+            let writers: Option<Vec<Option<String>>> = row.get(5)?;
+            Ok(Some(StreamRow {
+                key: row.get(1)?.unwrap_or_default(),
+                seq: row.get(2)?.unwrap_or(pg_sys::InvalidOid),
+                owns_sequence: row.get(3)?.unwrap_or_default(),
+                backwards: row.get(4)?.unwrap_or_default(),
+                writers: writers.map(|w| w.into_iter().flatten().collect()),
+            }))
         }))
-    }))
+    })
+}
+
+/// The OID of `streampos.streams`.
+pub fn streams_table_oid() -> pg_sys::Oid {
+    select_one(
+        "SELECT c.oid FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace \
+         WHERE n.nspname OPERATOR(pg_catalog.=) 'streampos' \
+           AND c.relname OPERATOR(pg_catalog.=) 'streams'",
+        &[],
+    )
+    .unwrap_or(pg_sys::InvalidOid)
 }
 
 pub fn stream_names() -> Vec<String> {
-    select_all("SELECT stream_name FROM streampos.streams", &[], |r| {
+    select_all("SELECT s.stream_name FROM streampos.streams s", &[], |r| {
         r.get::<String>(1)
     })
 }
 
+/// The stream that already uses sequence `seq`, if any.
+pub fn stream_of_sequence(seq: pg_sys::Oid) -> Option<String> {
+    select_one(
+        "SELECT s.stream_name FROM streampos.streams s \
+         WHERE s.seq::pg_catalog.oid OPERATOR(pg_catalog.=) $1",
+        &[seq.into()],
+    )
+}
+
 pub fn instance_id_of(name: &str) -> Option<i32> {
     select_one(
-        "SELECT instance_id FROM streampos.instances WHERE instance_name = $1",
+        "SELECT i.instance_id FROM streampos.instances i \
+         WHERE i.instance_name OPERATOR(pg_catalog.=) $1",
         &[name.into()],
     )
 }
 
-/// Insert a new instance name; None when it exists already.
+/// Insert a new instance name; None when it exists already. The id
+/// sequence is first moved past every id in the table, so that ids given
+/// explicitly (imported, restored) are never handed out again.
 pub fn insert_instance(name: &str) -> Option<i32> {
-    update_one(
-        "INSERT INTO streampos.instances (instance_name) VALUES ($1) \
-         ON CONFLICT (instance_name) DO NOTHING RETURNING instance_id",
-        &[name.into()],
-    )
+    as_owner(|| {
+        update_one::<i64>(
+            "SELECT pg_catalog.setval('streampos.instances_instance_id_seq'::pg_catalog.regclass, m.max_id) \
+             FROM (SELECT pg_catalog.max(i.instance_id)::pg_catalog.int8 AS max_id FROM streampos.instances i) m \
+             WHERE m.max_id OPERATOR(pg_catalog.>) (SELECT q.last_value FROM streampos.instances_instance_id_seq q)",
+            &[],
+        );
+        update_one(
+            "INSERT INTO streampos.instances (instance_name) VALUES ($1) \
+             ON CONFLICT (instance_name) DO NOTHING RETURNING instance_id",
+            &[name.into()],
+        )
+    })
 }
 
 pub fn instance_name_of(id: i32) -> Option<String> {
     select_one(
-        "SELECT instance_name FROM streampos.instances WHERE instance_id = $1",
+        "SELECT i.instance_name FROM streampos.instances i \
+         WHERE i.instance_id OPERATOR(pg_catalog.=) $1",
         &[id.into()],
     )
 }
 
 pub fn instance_names() -> HashMap<i32, String> {
     select_all(
-        "SELECT instance_id, instance_name FROM streampos.instances",
+        "SELECT i.instance_id, i.instance_name FROM streampos.instances i",
         &[],
         |r| Ok(r.get::<i32>(1)?.zip(r.get::<String>(2)?)),
     )
@@ -150,8 +300,9 @@ pub fn instance_names() -> HashMap<i32, String> {
 /// (instance id, stored position in internal numbering) for the stream.
 pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
     select_all(
-        "SELECT i.instance_id, abs(p.stream_id) FROM streampos.stream_positions p \
-         JOIN streampos.instances i USING (instance_name) WHERE p.stream_name = $1",
+        "SELECT i.instance_id, pg_catalog.abs(p.stream_id) FROM streampos.stream_positions p \
+         JOIN streampos.instances i ON i.instance_name OPERATOR(pg_catalog.=) p.instance_name \
+         WHERE p.stream_name OPERATOR(pg_catalog.=) $1",
         &[stream.into()],
         |r| Ok(r.get::<i32>(1)?.zip(r.get::<i64>(2)?)),
     )
@@ -159,9 +310,17 @@ pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
 
 pub fn max_stored_position(stream: &str) -> Option<i64> {
     select_one(
-        "SELECT max(abs(stream_id)) FROM streampos.stream_positions WHERE stream_name = $1",
+        "SELECT pg_catalog.max(pg_catalog.abs(p.stream_id)) FROM streampos.stream_positions p \
+         WHERE p.stream_name OPERATOR(pg_catalog.=) $1",
         &[stream.into()],
     )
+}
+
+fn text_array(values: Option<Vec<String>>) -> DatumWithOid<'static> {
+    match values {
+        Some(v) => v.into(),
+        None => DatumWithOid::null::<Vec<String>>(),
+    }
 }
 
 pub fn insert_stream(
@@ -176,58 +335,63 @@ pub fn insert_stream(
         DatumWithOid::from(seq),
         owns.into(),
         backwards.into(),
-        match writers {
-            Some(w) => w.into(),
-            None => DatumWithOid::null::<Vec<String>>(),
-        },
+        text_array(writers),
     ];
-    run(
-        "INSERT INTO streampos.streams (stream_name, seq, owns_sequence, backwards, writers) \
-         VALUES ($1, $2::oid::regclass, $3, $4, $5)",
-        &args,
-    );
+    as_owner(|| {
+        run(
+            "INSERT INTO streampos.streams (stream_name, seq, owns_sequence, backwards, writers) \
+             VALUES ($1, $2::pg_catalog.oid::pg_catalog.regclass, $3, $4, $5)",
+            &args,
+        )
+    });
 }
 
 pub fn delete_stream(stream: &str) {
-    run(
-        "DELETE FROM streampos.streams WHERE stream_name = $1",
-        &[stream.into()],
-    );
+    as_owner(|| {
+        run(
+            "DELETE FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1",
+            &[stream.into()],
+        )
+    });
 }
 
 pub fn set_stream_writers(stream: &str, writers: Option<Vec<String>>) {
-    let args: [DatumWithOid; 2] = [
-        stream.into(),
-        match writers {
-            Some(w) => w.into(),
-            None => DatumWithOid::null::<Vec<String>>(),
-        },
-    ];
-    run(
-        "UPDATE streampos.streams SET writers = $2 WHERE stream_name = $1",
-        &args,
-    );
+    let args: [DatumWithOid; 2] = [stream.into(), text_array(writers)];
+    as_owner(|| {
+        run(
+            "UPDATE streampos.streams s SET writers = $2 \
+             WHERE s.stream_name OPERATOR(pg_catalog.=) $1",
+            &args,
+        )
+    });
 }
 
 /// A removed writer loses its stored position; a new one starts at `front`.
 pub fn reset_positions(stream: &str, writers: Vec<String>, front: i64) {
-    run(
-        "DELETE FROM streampos.stream_positions WHERE stream_name = $1 AND instance_name <> ALL ($2)",
-        &[stream.into(), writers.clone().into()],
-    );
-    run(
-        "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
-         SELECT $1, w, $3 FROM unnest($2::text[]) w ON CONFLICT DO NOTHING",
-        &[stream.into(), writers.into(), front.into()],
-    );
+    as_owner(|| {
+        run(
+            "DELETE FROM streampos.stream_positions p \
+             WHERE p.stream_name OPERATOR(pg_catalog.=) $1 \
+               AND p.instance_name OPERATOR(pg_catalog.<>) ALL ($2)",
+            &[stream.into(), writers.clone().into()],
+        );
+        run(
+            "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
+             SELECT $1, w.name, $3 FROM pg_catalog.unnest($2::pg_catalog.text[]) AS w(name) \
+             ON CONFLICT DO NOTHING",
+            &[stream.into(), writers.into(), front.into()],
+        );
+    });
 }
 
-pub fn column_exists(tbl: pg_sys::Oid, column: &str) -> bool {
-    select_one::<bool>(
-        "SELECT true FROM pg_catalog.pg_attribute WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
+/// The attribute number of a live column of `tbl` called `column`.
+pub fn column_number(tbl: pg_sys::Oid, column: &str) -> Option<i16> {
+    select_one(
+        "SELECT a.attnum FROM pg_catalog.pg_attribute a \
+         WHERE a.attrelid OPERATOR(pg_catalog.=) $1 AND a.attname OPERATOR(pg_catalog.=) $2 \
+           AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped",
         &[tbl.into(), column.into()],
     )
-    .is_some()
 }
 
 pub fn upsert_stream_table(
@@ -236,219 +400,324 @@ pub fn upsert_stream_table(
     id_column: &str,
     instance_column: Option<&str>,
 ) {
-    run(
-        "INSERT INTO streampos.stream_tables (stream_name, tbl, id_column, instance_column) \
-         VALUES ($1, $2::oid::regclass, $3, $4) \
-         ON CONFLICT (stream_name, tbl) DO UPDATE SET id_column = EXCLUDED.id_column, instance_column = EXCLUDED.instance_column",
-        &[stream.into(), tbl.into(), id_column.into(), instance_column.into()],
-    );
+    as_owner(|| {
+        run(
+            "INSERT INTO streampos.stream_tables (stream_name, tbl, id_column, instance_column) \
+             VALUES ($1, $2::pg_catalog.oid::pg_catalog.regclass, $3, $4) \
+             ON CONFLICT (stream_name, tbl) DO UPDATE \
+             SET id_column = EXCLUDED.id_column, instance_column = EXCLUDED.instance_column",
+            &[
+                stream.into(),
+                tbl.into(),
+                id_column.into(),
+                instance_column.into(),
+            ],
+        )
+    });
 }
 
 /// Databases that exist (for reclaiming registry state of dropped ones).
 pub fn database_oids() -> Vec<pg_sys::Oid> {
-    select_all("SELECT oid FROM pg_catalog.pg_database", &[], |r| {
+    select_all("SELECT d.oid FROM pg_catalog.pg_database d", &[], |r| {
         r.get::<pg_sys::Oid>(1)
     })
 }
 
 // ---------------------------------------------------------------- sequences
 
-/// Create the sequence a stream owns; returns its OID.
-pub fn create_sequence(name: &str) -> pg_sys::Oid {
-    run(
-        &format!(
-            "CREATE SEQUENCE streampos.{} AS bigint INCREMENT 1 MINVALUE 1 START 1 CACHE 1 NO CYCLE",
-            quote_ident(name)
-        ),
-        &[],
-    );
-    let seq: pg_sys::Oid = update_one(
-        "SELECT format('streampos.%I', $1::text)::regclass::oid",
-        &[name.into()],
-    )
-    .unwrap_or(pg_sys::InvalidOid);
-    // Readers load the sequence's value once after start-up.
-    run(
-        &format!(
-            "GRANT SELECT ON SEQUENCE streampos.{} TO PUBLIC",
-            quote_ident(name)
-        ),
-        &[],
-    );
-    seq
+/// Create the sequence a stream owns, owned by `owner_role` (the role that
+/// created the stream); returns its OID.
+pub fn create_sequence(name: &str, owner_role: pg_sys::Oid) -> pg_sys::Oid {
+    let qualified = format!("streampos.{}", quote_ident(name));
+    as_owner(|| {
+        run(
+            &format!(
+                "CREATE SEQUENCE {qualified} AS pg_catalog.int8 \
+                 INCREMENT 1 MINVALUE 1 START 1 CACHE 1 NO CYCLE"
+            ),
+            &[],
+        );
+        run(
+            &format!(
+                "ALTER SEQUENCE {qualified} OWNER TO {}",
+                role_name(owner_role)
+            ),
+            &[],
+        );
+        select_one(
+            "SELECT c.oid FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace \
+             WHERE n.nspname OPERATOR(pg_catalog.=) 'streampos' \
+               AND c.relname OPERATOR(pg_catalog.=) $1",
+            &[name.into()],
+        )
+        .unwrap_or(pg_sys::InvalidOid)
+    })
 }
 
-pub fn drop_sequence(qualified_name: &str) {
-    run(&format!("DROP SEQUENCE IF EXISTS {qualified_name}"), &[]);
+/// Drop a sequence a stream owns, if it is still the one in schema
+/// streampos that the stream created.
+pub fn drop_owned_sequence(seq: pg_sys::Oid) {
+    let in_streampos: Option<bool> = select_one(
+        "SELECT true FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace \
+         WHERE c.oid OPERATOR(pg_catalog.=) $1 AND c.relkind OPERATOR(pg_catalog.=) 'S' \
+           AND n.nspname OPERATOR(pg_catalog.=) 'streampos'",
+        &[seq.into()],
+    );
+    if in_streampos.is_some() {
+        let name = relation_name(seq);
+        as_owner(|| run(&format!("DROP SEQUENCE {name}"), &[]));
+    }
 }
 
 /// (INCREMENT, CACHE) of a sequence; None when `oid` is not a sequence.
 pub fn sequence_settings(oid: pg_sys::Oid) -> Option<(i64, i64)> {
-    spi(Spi::connect(|client| {
-        let table = client.select(
-            "SELECT seqincrement, seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = $1",
-            Some(1),
-            &[oid.into()],
-        )?;
-        if table.is_empty() {
-            Ok(None)
-        } else {
-            let (inc, cache) = table.first().get_two::<i64, i64>()?;
-            Ok(Some((inc.unwrap_or(0), cache.unwrap_or(0))))
-        }
-    }))
+    with_safe_path(|| {
+        spi(Spi::connect(|client| {
+            let table = client.select(
+                "SELECT q.seqincrement, q.seqcache FROM pg_catalog.pg_sequence q \
+                 WHERE q.seqrelid OPERATOR(pg_catalog.=) $1",
+                Some(1),
+                &[oid.into()],
+            )?;
+            if table.is_empty() {
+                Ok(None)
+            } else {
+                let (inc, cache) = table.first().get_two::<i64, i64>()?;
+                Ok(Some((inc.unwrap_or(0), cache.unwrap_or(0))))
+            }
+        }))
+    })
 }
 
-/// (last_value, is_called) of a sequence.
-pub fn sequence_state(qualified_name: &str) -> (i64, bool) {
-    let query = format!("SELECT last_value, is_called FROM {qualified_name}");
-    let (last, called) = spi(Spi::connect(|client| {
-        client
-            .select(query.as_str(), Some(1), &[])?
-            .first()
-            .get_two::<i64, bool>()
-    }));
-    (last.unwrap_or(0), called.unwrap_or(false))
-}
-
+/// Move a sequence to `value` (is_called), with the caller's privileges.
 pub fn setval(seq: pg_sys::Oid, value: i64) {
     update_one::<i64>(
-        "SELECT pg_catalog.setval($1::oid::regclass, $2, true)",
+        "SELECT pg_catalog.setval($1::pg_catalog.oid::pg_catalog.regclass, $2, true)",
         &[seq.into(), value.into()],
     );
 }
 
 // ------------------------------------------------------------- stream tables
 
-/// (table, quoted id column) of every table of the stream, by table name.
-pub fn stream_tables_for_check(stream: &str) -> Vec<(String, String)> {
-    select_all(
-        "SELECT tbl::text, quote_ident(id_column) FROM streampos.stream_tables \
-         WHERE stream_name = $1 ORDER BY tbl::text",
-        &[stream.into()],
-        |r| {
-            Ok(Some((
-                r.get::<String>(1)?.unwrap_or_default(),
-                r.get::<String>(2)?.unwrap_or_default(),
-            )))
-        },
-    )
-}
-
-/// The highest ID (internal numbering) in one table of a stream.
-pub fn table_max_id(table: &str, quoted_column: &str, backwards: bool) -> Option<i64> {
-    let agg = if backwards {
-        format!("-min({quoted_column})")
-    } else {
-        format!("max({quoted_column})")
-    };
-    update_one(&format!("SELECT {agg}::bigint FROM {table}"), &[])
-}
-
-/// A table of a stream as `updates` reads it: quoted names.
+/// A table of a stream, with its columns as they are now.
 pub struct StreamTable {
+    /// Quoted, schema-qualified.
     pub name: String,
     pub id_column: String,
     pub instance_column: Option<String>,
+    /// Every live column, in order, unquoted.
     pub columns: Vec<String>,
 }
 
+/// The stream's tables, by table name.
 pub fn stream_tables(stream: &str) -> Vec<StreamTable> {
-    select_all(
-        "SELECT tbl::text, quote_ident(id_column), quote_ident(instance_column), \
-                ARRAY(SELECT quote_ident(attname) FROM pg_catalog.pg_attribute \
-                      WHERE attrelid = tbl AND attnum > 0 AND NOT attisdropped ORDER BY attnum) \
-         FROM streampos.stream_tables WHERE stream_name = $1 ORDER BY tbl::text",
+    let mut tables = select_all(
+        "SELECT t.tbl::pg_catalog.oid, t.id_column::pg_catalog.text, t.instance_column::pg_catalog.text, \
+                ARRAY(SELECT a.attname::pg_catalog.text FROM pg_catalog.pg_attribute a \
+                      WHERE a.attrelid OPERATOR(pg_catalog.=) t.tbl::pg_catalog.oid \
+                        AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped \
+                      ORDER BY a.attnum) \
+         FROM streampos.stream_tables t WHERE t.stream_name OPERATOR(pg_catalog.=) $1",
         &[stream.into()],
         |r| {
+            let oid = r.get::<pg_sys::Oid>(1)?.unwrap_or(pg_sys::InvalidOid);
             Ok(Some(StreamTable {
-                name: r.get::<String>(1)?.unwrap_or_default(),
+                name: relation_name(oid),
                 id_column: r.get::<String>(2)?.unwrap_or_default(),
                 instance_column: r.get::<String>(3)?,
                 columns: r.get::<Vec<String>>(4)?.unwrap_or_default(),
             }))
         },
+    );
+    tables.sort_by(|a, b| a.name.cmp(&b.name));
+    tables
+}
+
+/// The highest ID (internal numbering) in one table of a stream, read with
+/// the caller's privileges.
+pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
+    let id = quote_ident(&table.id_column);
+    let agg = if backwards {
+        format!("OPERATOR(pg_catalog.-) pg_catalog.min(t.{id})::pg_catalog.int8")
+    } else {
+        format!("pg_catalog.max(t.{id})::pg_catalog.int8")
+    };
+    update_one(&format!("SELECT {agg} FROM {} t", table.name), &[])
+}
+
+/// The FROM and WHERE of `updates`' reads of one table: rows with
+/// $1 < id <= $2 whose writer (the instance column) is in range between the
+/// multi-writer tokens $3 (exclusive) and $4 (inclusive).
+fn rows_in_range(table: &StreamTable) -> String {
+    let id = quote_ident(&table.id_column);
+    let (join, instance) = match &table.instance_column {
+        Some(column) => (
+            format!(
+                "LEFT JOIN streampos.instances i \
+                 ON i.instance_name OPERATOR(pg_catalog.=) t.{}::pg_catalog.text",
+                quote_ident(column)
+            ),
+            "i.instance_id",
+        ),
+        None => (String::new(), "NULL::pg_catalog.int4"),
+    };
+    format!(
+        "FROM {tbl} t {join} \
+         WHERE t.{id} OPERATOR(pg_catalog.>) $1 AND t.{id} OPERATOR(pg_catalog.<=) $2 \
+           AND streampos.in_range($3::streampos.multi_writer_token, $4::streampos.multi_writer_token, \
+                                  {instance}, t.{id}::pg_catalog.int8)",
+        tbl = table.name,
     )
 }
 
-/// Rows of one table with since < position <= until (per writer, given as
-/// multi-writer token texts) and low < id <= high, ordered by ID, at most
-/// `limit` (None: all). Each row comes as (id, JSON array).
-pub fn fetch_rows(
-    table: &StreamTable,
-    low: i64,
-    high: i64,
-    since: &str,
-    until: &str,
-    limit: Option<i64>,
-) -> Vec<(i64, Value)> {
-    let row_array = format!(
-        "jsonb_build_array({})",
-        table
-            .columns
-            .iter()
-            .map(|c| format!("t.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let (join, instance) = match &table.instance_column {
-        Some(column) => (
-            format!("LEFT JOIN streampos.instances i ON i.instance_name = t.{column}::text"),
-            "i.instance_id",
-        ),
-        None => (String::new(), "NULL::integer"),
-    };
-    let id = &table.id_column;
+/// The rows `updates` reads: low < id <= high, and each row's writer in
+/// range between the multi-writer tokens `since` (exclusive) and `until`.
+pub struct RowRange<'a> {
+    pub low: i64,
+    pub high: i64,
+    pub since: &'a str,
+    pub until: &'a str,
+}
+
+impl RowRange<'_> {
+    /// The arguments $1 to $4 of `rows_in_range`.
+    fn args(&self) -> Vec<DatumWithOid<'static>> {
+        vec![
+            self.low.into(),
+            self.high.into(),
+            self.since.to_string().into(),
+            self.until.to_string().into(),
+        ]
+    }
+}
+
+/// The IDs of the first `limit` rows of one table that `updates` would
+/// return, in ID order.
+pub fn row_ids(table: &StreamTable, range: &RowRange, limit: i64) -> Vec<i64> {
+    let id = quote_ident(&table.id_column);
     let query = format!(
-        "SELECT t.{id}::bigint, {row_array}::text FROM {tbl} t {join} \
-         WHERE t.{id} > $1 AND t.{id} <= $2 \
-           AND streampos.in_range($3::streampos.multi_writer_token, $4::streampos.multi_writer_token, {instance}, t.{id}::bigint) \
-         ORDER BY t.{id} {limit}",
-        tbl = table.name,
-        limit = limit.map(|n| format!("LIMIT {n}")).unwrap_or_default(),
+        "SELECT t.{id}::pg_catalog.int8 {} ORDER BY t.{id} LIMIT $5",
+        rows_in_range(table)
     );
-    let args = [low.into(), high.into(), since.into(), until.into()];
+    let mut args = range.args();
+    args.push(limit.into());
     // A read-write SPI call takes a fresh snapshot (under READ COMMITTED),
     // taken after the token's: it sees every row the token covers.
-    let result = Spi::connect_mut(|client| -> SpiResult<Vec<(i64, Value)>> {
-        let mut rows = Vec::new();
-        for row in client.update(query.as_str(), None, &args)? {
-            let id = row.get::<i64>(1)?.unwrap_or_default();
-            let text = row.get::<String>(2)?.unwrap_or_default();
-            rows.push((id, serde_json::from_str(&text).unwrap_or(Value::Null)));
-        }
-        Ok(rows)
-    });
-    match result {
-        Ok(rows) => rows,
-        Err(e) => Error::Internal(format!("reading {} failed: {e}", table.name)).report(),
+    with_safe_path(|| {
+        spi(Spi::connect_mut(|client| {
+            let mut ids = Vec::new();
+            for row in client.update(query.as_str(), None, &args)? {
+                if let Some(id) = row.get::<i64>(1)? {
+                    ids.push(id);
+                }
+            }
+            Ok(ids)
+        }))
+    })
+}
+
+/// The `updates` answer, built by PostgreSQL in its own memory:
+/// `{"token": …, "limited": …, "data": [[header], row, …, [header], row, …]}`
+/// with, for each table, `[table_name, position, row_count, column_count,
+/// column_name, …]` and then its rows with $1 < id <= $2 (and in range
+/// between the tokens) as JSON arrays, oldest first.
+pub fn updates_answer(
+    tables: &[StreamTable],
+    range: &RowRange,
+    token: &str,
+    position: i64,
+    limited: bool,
+) -> pg_sys::Datum {
+    let mut parts = Vec::new();
+    let mut headers = Vec::new();
+    let mut args = range.args();
+    args.push(token.to_string().into());
+    args.push(limited.into());
+    args.push(position.into());
+    for (n, table) in tables.iter().enumerate() {
+        let id = quote_ident(&table.id_column);
+        let row = table
+            .columns
+            .iter()
+            .map(|c| format!("t.{}", quote_ident(c)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        parts.push(format!(
+            "SELECT {n} AS n, t.{id}::pg_catalog.int8 AS id, pg_catalog.jsonb_build_array({row}) AS j {}",
+            rows_in_range(table)
+        ));
+        let (name_arg, columns_arg) = (args.len() + 1, args.len() + 2);
+        args.push(table.name.clone().into());
+        args.push(table.columns.clone().into());
+        headers.push(format!(
+            "({n}, ${name_arg}::pg_catalog.text, ${columns_arg}::pg_catalog.text[])"
+        ));
     }
+    if tables.is_empty() {
+        parts.push("SELECT 0, 0::pg_catalog.int8, NULL::pg_catalog.jsonb WHERE false".into());
+        headers.push("(0, NULL::pg_catalog.text, NULL::pg_catalog.text[])".into());
+    }
+    let query = format!(
+        "WITH r(n, id, j) AS ({rows}), \
+              h(n, name, cols) AS (VALUES {headers}), \
+              x(n, k, id, j) AS ( \
+                SELECT h.n, 0, 0::pg_catalog.int8, \
+                       pg_catalog.jsonb_build_array(h.name, $7, \
+                           (SELECT pg_catalog.count(*) FROM r WHERE r.n OPERATOR(pg_catalog.=) h.n), \
+                           pg_catalog.cardinality(h.cols)) \
+                       OPERATOR(pg_catalog.||) pg_catalog.to_jsonb(h.cols) \
+                FROM h WHERE h.name IS NOT NULL \
+                UNION ALL SELECT r.n, 1, r.id, r.j FROM r) \
+         SELECT pg_catalog.jsonb_build_object('token', $5::pg_catalog.text, 'limited', $6::pg_catalog.bool, \
+                'data', COALESCE((SELECT pg_catalog.jsonb_agg(x.j ORDER BY x.n, x.k, x.id) FROM x), \
+                                 '[]'::pg_catalog.jsonb))",
+        rows = parts.join(" UNION ALL "),
+        headers = headers.join(", "),
+    );
+    with_safe_path(|| {
+        spi(Spi::connect_mut(|client| {
+            let table = client.update(query.as_str(), Some(1), &args)?;
+            let datum = table.first().get_datum_by_ordinal(1)?;
+            // SAFETY: a jsonb (varlena) result of this SPI call, copied into
+            // the function's memory context before SPI frees its own.
+            Ok(datum.map(|d| unsafe { pg_sys::SPI_datumTransfer(d, false, -1) }))
+        }))
+    })
+    .unwrap_or_else(|| Error::Internal("updates() built no answer".into()).report())
 }
 
 // ------------------------------------------------------------ position worker
 
 pub fn extension_present() -> bool {
-    Spi::get_one::<bool>("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'streampos'")
-        .unwrap_or(None)
-        .is_some()
+    select_one::<bool>(
+        "SELECT true FROM pg_catalog.pg_extension e \
+         WHERE e.extname OPERATOR(pg_catalog.=) 'streampos'",
+        &[],
+    )
+    .is_some()
 }
 
 /// Store one stream's positions (the same a reader in this snapshot gets)
-/// and notify listeners.
+/// and notify listeners. Run by the position worker.
 pub fn store_positions(stream: &str) {
     run(
         "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
-         SELECT $1, instance_name, stream_id FROM streampos.writer_positions($1) \
+         SELECT $1, w.instance_name, w.stream_id FROM streampos.writer_positions($1) w \
          ON CONFLICT (stream_name, instance_name) DO UPDATE \
          SET stream_id = EXCLUDED.stream_id \
-         WHERE abs(EXCLUDED.stream_id) > abs(stream_positions.stream_id)",
+         WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) \
+               pg_catalog.abs(streampos.stream_positions.stream_id)",
         &[stream.into()],
     );
     // Followers that prefer LISTEN to long-polling: one notification per
     // advance, from here, never from the writers' commits (NOTIFY takes a
     // lock that would serialise them).
     run(
-        "SELECT pg_catalog.pg_notify('streampos', $1 || ' ' || streampos.current_token($1)::text)",
+        "SELECT pg_catalog.pg_notify('streampos', \
+                $1 OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) \
+                streampos.current_token($1)::pg_catalog.text)",
         &[stream.into()],
     );
 }

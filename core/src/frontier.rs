@@ -70,6 +70,106 @@ pub fn current_token(max_allocated: i64, holders: &[Holder], writers: &[i32]) ->
     Token::vector(minimum, entries).unwrap_or_else(|_| Token::live(minimum))
 }
 
+/// A stream's positions for one snapshot, resolved from what holds it back:
+/// what every reading function answers from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Positions {
+    /// The highest allocated ID when the positions were computed.
+    pub max_allocated: i64,
+    /// The position of a writer with nothing of its own in flight: the
+    /// maximum allocated ID, or lower while something holds back every
+    /// writer.
+    pub default: i64,
+    /// Writers with allocations of their own in flight, ascending by id,
+    /// each with its position (at most `default`).
+    pub held: Vec<(i32, i64)>,
+}
+
+impl Positions {
+    /// Resolve the holders of a stream whose highest allocated ID is
+    /// `max_allocated`.
+    pub fn resolve(max_allocated: i64, holders: &[Holder]) -> Positions {
+        let default = holders
+            .iter()
+            .filter(|h| h.held_by == HeldBy::AllWriters)
+            .map(|h| h.min_id.saturating_sub(1))
+            .fold(max_allocated, i64::min);
+        let mut held: Vec<(i32, i64)> = holders
+            .iter()
+            .filter_map(|h| match h.held_by {
+                HeldBy::Writer(w) => Some((w, h.min_id.saturating_sub(1).min(default))),
+                HeldBy::AllWriters => None,
+            })
+            .collect();
+        // Lowest position first within a writer, so dedup keeps it.
+        held.sort_unstable();
+        held.dedup_by_key(|e| e.0);
+        Positions {
+            max_allocated,
+            default,
+            held,
+        }
+    }
+
+    /// The largest F such that every ID <= F is finished.
+    pub fn frontier(&self) -> i64 {
+        self.held.iter().map(|e| e.1).fold(self.default, i64::min)
+    }
+
+    /// The largest p such that every ID <= p allocated to `writer` is
+    /// finished.
+    pub fn writer_position(&self, writer: i32) -> i64 {
+        match self.held.binary_search_by_key(&writer, |e| e.0) {
+            Ok(k) => self.held.get(k).map_or(self.default, |e| e.1),
+            Err(_) => self.default,
+        }
+    }
+
+    /// The writers with allocations of their own in flight.
+    pub fn held_writers(&self) -> impl Iterator<Item = i32> + '_ {
+        self.held.iter().map(|e| e.0)
+    }
+
+    /// The frontier plus every writer of `writers` whose position is ahead
+    /// of it. Writers not listed read as the frontier, which is never ahead
+    /// of the truth.
+    pub fn token(&self, writers: &[i32]) -> Token {
+        let minimum = self.frontier();
+        let mut entries: Vec<(i32, i64)> = writers
+            .iter()
+            .map(|&w| (w, self.writer_position(w)))
+            .filter(|&(_, position)| position > minimum)
+            .collect();
+        entries.sort_unstable();
+        entries.dedup_by_key(|e| e.0);
+        // Every entry is above the minimum and ids are distinct: valid by
+        // construction, so the fallback is unreachable.
+        Token::vector(minimum, entries).unwrap_or_else(|_| Token::live(minimum))
+    }
+
+    /// Positions at least as far as both `self` and `other`, for the same
+    /// snapshot: every answer either gave was true for it, so the larger one
+    /// is too. (Used to keep answers for one snapshot from ever going back.)
+    pub fn join(&self, other: &Positions) -> Positions {
+        let default = self.default.max(other.default);
+        let mut writers: Vec<i32> = self.held_writers().chain(other.held_writers()).collect();
+        writers.sort_unstable();
+        writers.dedup();
+        let held = writers
+            .into_iter()
+            .map(|w| {
+                let position = self.writer_position(w).max(other.writer_position(w));
+                (w, position.min(default))
+            })
+            .collect();
+        Positions {
+            max_allocated: self.max_allocated.max(other.max_allocated),
+            default,
+            held,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +234,52 @@ mod tests {
         let held = [w(1, 4), w(2, 6)];
         let token = current_token(8, &held, &[3, 2, 1, 2]);
         assert_eq!(token.to_text(crate::token::TokenKind::Room), "m3~2.5~3.8");
+    }
+
+    #[test]
+    fn positions_agree_with_the_holder_functions() {
+        let held = [
+            w(1, 4),
+            w(2, 6),
+            w(1, 9),
+            Holder {
+                held_by: HeldBy::AllWriters,
+                min_id: 8,
+            },
+        ];
+        let p = Positions::resolve(10, &held);
+        assert_eq!(p.frontier(), frontier(10, &held));
+        for writer in 0..4 {
+            assert_eq!(
+                p.writer_position(writer),
+                writer_position(10, &held, writer)
+            );
+        }
+        assert_eq!(p.token(&[1, 2, 3]), current_token(10, &held, &[1, 2, 3]));
+    }
+
+    #[test]
+    fn join_takes_the_larger_answer_of_each_writer() {
+        let a = Positions::resolve(10, &[w(1, 4), w(2, 9)]);
+        let b = Positions::resolve(
+            12,
+            &[
+                w(1, 6),
+                Holder {
+                    held_by: HeldBy::AllWriters,
+                    min_id: 3,
+                },
+            ],
+        );
+        let j = a.join(&b);
+        for writer in 0..4 {
+            assert_eq!(
+                j.writer_position(writer),
+                a.writer_position(writer).max(b.writer_position(writer)),
+                "writer {writer}"
+            );
+        }
+        assert!(j.frontier() >= a.frontier().max(b.frontier()));
+        assert_eq!(j.join(&j), j);
     }
 }

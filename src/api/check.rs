@@ -1,11 +1,12 @@
-//! `check_stream`: the sequence against the stream's tables and stored
-//! positions; repair moves the sequence forward, never backward.
+//! `check_stream`: the sequence against the stream's tables, its stored
+//! positions and what this server handed out; repair moves the sequence
+//! forward, never backward. On a hot standby the checks run read-only.
 
 use pgrx::prelude::*;
 
 use crate::catalog;
-use crate::engine;
-use crate::error::OrRaise;
+use crate::engine::{self, in_recovery};
+use crate::error::{Error, OrRaise};
 use crate::{registry, sequence, sql};
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -21,27 +22,27 @@ fn check_stream(
     ),
 > {
     let meta = catalog::stream(stream).or_raise();
+    if repair && in_recovery() {
+        Error::Recovery("repair a stream").report();
+    }
     let mut rows = Vec::new();
+    let seq_name = sql::relation_name(meta.seq);
 
     let (increment, cache) = sequence::settings(meta.seq).unwrap_or((0, 0));
     rows.push((
         "sequence".to_string(),
         increment == 1 && cache == 1,
-        format!(
-            "{} has INCREMENT {increment} and CACHE {cache} (both must be 1)",
-            meta.seq_name
-        ),
+        format!("{seq_name} has INCREMENT {increment} and CACHE {cache} (both must be 1)"),
     ));
 
-    let seq_max = sequence::max_allocated(&meta);
-    // Highest ID (internal numbering) found in the stream's tables.
+    let seq_max = sequence::max_allocated(meta.seq);
     let mut needed = seq_max;
-    for (table, column) in sql::stream_tables_for_check(stream) {
-        let highest = sql::table_max_id(&table, &column, meta.backwards).unwrap_or(0);
+    for table in sql::stream_tables(stream) {
+        let highest = sql::table_max_id(&table, meta.backwards).unwrap_or(0);
         let ok = highest <= seq_max;
         needed = needed.max(highest);
         rows.push((
-            format!("table {table}"),
+            format!("table {}", table.name),
             ok,
             if ok {
                 format!(
@@ -77,9 +78,34 @@ fn check_stream(
             )
         },
     ));
+    // What this server handed out since start-up: a sequence moved back
+    // below it (setval) would hand those IDs out again.
+    if registry::is_loaded() && !in_recovery() {
+        let allocated = engine::answer(&meta).positions.max_allocated;
+        let ok = allocated <= seq_max;
+        needed = needed.max(allocated);
+        rows.push((
+            "allocated".to_string(),
+            ok,
+            if ok {
+                format!(
+                    "IDs handed out since start-up ({}) are not above the sequence ({})",
+                    meta.external(allocated),
+                    meta.external(seq_max)
+                )
+            } else {
+                format!(
+                    "the sequence ({}) was moved back below IDs already handed out ({})",
+                    meta.external(seq_max),
+                    meta.external(allocated)
+                )
+            },
+        ));
+    }
     if needed > seq_max {
         if repair {
-            // Move the sequence forward; never delete positions or rows.
+            // Move the sequence forward (with the caller's privileges, as
+            // setval() needs them); never delete positions or rows.
             sql::setval(meta.seq, needed);
             if registry::is_loaded() {
                 let index = engine::registry_index(&meta);

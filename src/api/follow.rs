@@ -4,42 +4,58 @@
 
 use std::time::{Duration, Instant};
 
+use pgrx::pgrx_sql_entity_graph::metadata::{
+    ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
+};
 use pgrx::prelude::*;
-use pgrx::JsonB;
-use serde_json::Value;
-use streampos_core::frontier;
 use streampos_core::token::{Token, TokenKind};
 
 use crate::catalog::{self, StreamMeta};
 use crate::engine::{self, in_recovery, registry_index, writer_ids};
-use crate::error::{Error, OrRaise};
-use crate::registry;
-use crate::sql::{self, StreamTable};
+use crate::error::{clip, Error, OrRaise};
 use crate::types::MultiWriterToken;
+use crate::{registry, sql};
 
-/// The snapshot a follower answers for. Under REPEATABLE READ and
-/// SERIALIZABLE it is the transaction's: nothing newer can ever be visible to
-/// the caller. Under READ COMMITTED the statement's snapshot would never see
-/// a commit that happens while we wait, so we take the latest one; every
-/// later statement of the caller sees at least as much.
-fn follower_snapshot() -> pg_sys::Snapshot {
+/// Most rows one `updates` call may return.
+const MAX_ROWS: i32 = 10_000;
+
+/// Under REPEATABLE READ and SERIALIZABLE a follower answers for the
+/// transaction's snapshot, like every reading function (and with the same
+/// answer, fixed for the transaction): nothing newer can ever be visible to
+/// it. Under READ COMMITTED the statement's snapshot would never see a
+/// commit that happens while we wait, so each check takes the latest
+/// snapshot and computes afresh; every later statement of the caller sees at
+/// least as much.
+fn answer_now(meta: &StreamMeta) -> engine::Answer {
     // SAFETY: called inside a running transaction.
     unsafe {
         if pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 {
-            pg_sys::GetTransactionSnapshot()
+            engine::answer_for(meta, pg_sys::GetTransactionSnapshot())
         } else {
-            pg_sys::GetLatestSnapshot()
+            engine::fresh_answer(meta, pg_sys::GetLatestSnapshot())
         }
     }
 }
 
-/// Re-evaluate `ready` each time the stream's generation moves, until it
-/// returns Some or the timeout passes (then the last evaluation's value).
-fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
-    if in_recovery() {
-        // Commits arrive by WAL replay, which broadcasts nothing.
-        Error::StandbyWait.report();
+/// A follower must not wait for, or read from, a position this server never
+/// reached: after an asynchronous failover or a point-in-time recovery its
+/// history differs from the one the follower saw.
+fn refuse_ahead(meta: &StreamMeta, what: &'static str, position: i64, shown: String) {
+    let allocated = answer_now(meta).positions.max_allocated;
+    if position > allocated {
+        Error::AheadOfServer {
+            what,
+            stream: meta.name.as_str().into(),
+            position: shown,
+            max_allocated: meta.external(allocated),
+        }
+        .report();
     }
+}
+
+/// Re-evaluate `ready` each time the stream's generation moves, until it
+/// returns true or the timeout passes (then the last evaluation's value).
+fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
     loop {
         let generation = registry::generation(index).or_raise();
@@ -55,14 +71,18 @@ fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool
     }
 }
 
-fn frontier_now(meta: &StreamMeta) -> i64 {
-    let v = engine::view_for(meta, follower_snapshot());
-    frontier::frontier(v.max_allocated, &v.holders)
+/// Followers need the primary's registry: a standby's replay broadcasts
+/// nothing, and its registry must not be loaded before promotion.
+fn refuse_on_standby() {
+    if in_recovery() {
+        Error::StandbyWait.report();
+    }
 }
 
 #[pg_extern(volatile, strict, parallel_restricted)]
 fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     let meta = catalog::stream(stream).or_raise();
+    refuse_on_standby();
     let index = registry_index(&meta);
     // Internal numbering counts up for backward streams too.
     let target = if meta.backwards {
@@ -70,8 +90,9 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     } else {
         stream_id
     };
+    refuse_ahead(&meta, "target", target, stream_id.to_string());
     let reached = wait_until(index, timeout_ms, || {
-        let f = frontier_now(&meta);
+        let f = answer_now(&meta).frontier();
         (f >= target, f)
     });
     meta.external(reached)
@@ -79,27 +100,8 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
 
 /// The current token for the follower's snapshot.
 fn token_now(meta: &StreamMeta) -> Token {
-    let v = engine::view_for(meta, follower_snapshot());
-    frontier::current_token(v.max_allocated, &v.holders, &writer_ids(meta, &v))
-}
-
-/// Rows of one table with since < position <= until (per writer) and
-/// id <= max_id, ordered by ID, at most `limit` (None: all).
-fn fetch_rows(
-    table: &StreamTable,
-    since: &Token,
-    until: &Token,
-    max_id: i64,
-    limit: Option<i64>,
-) -> Vec<(i64, Value)> {
-    sql::fetch_rows(
-        table,
-        since.stream(),
-        until.max_stream_pos().min(max_id),
-        &since.to_text(TokenKind::MultiWriter),
-        &until.to_text(TokenKind::MultiWriter),
-        limit,
-    )
+    let a = answer_now(meta);
+    a.positions.token(&writer_ids(meta, &a))
 }
 
 #[pg_extern(volatile, strict, parallel_restricted)]
@@ -108,11 +110,11 @@ fn updates(
     since: MultiWriterToken,
     max_rows: default!(i32, 100),
     timeout_ms: default!(i32, 0),
-) -> JsonB {
+) -> JsonbDatum {
     let meta = catalog::stream(stream).or_raise();
     if meta.backwards {
         Error::InvalidState {
-            message: format!("stream \"{stream}\" counts backwards"),
+            message: format!("stream \"{}\" counts backwards", clip(stream)),
             detail: Some(
                 "updates() follows forward streams; read a backward stream with frontier().".into(),
             ),
@@ -122,8 +124,24 @@ fn updates(
     if max_rows < 1 {
         Error::invalid(format!("max_rows must be at least 1, not {max_rows}")).report();
     }
+    if max_rows > MAX_ROWS {
+        Error::TooLarge {
+            what: format!("max_rows {max_rows}"),
+            limit: format!(
+                "updates() returns at most {MAX_ROWS} rows a call; continue from its token."
+            ),
+        }
+        .report();
+    }
+    refuse_on_standby();
     let index = registry_index(&meta);
     let since = since.0;
+    refuse_ahead(
+        &meta,
+        "token",
+        since.max_stream_pos(),
+        since.to_text(TokenKind::MultiWriter),
+    );
     // Wait until some writer moved past `since`.
     let current = wait_until(index, timeout_ms, || {
         let t = token_now(&meta);
@@ -133,16 +151,25 @@ fn updates(
     let until = since.advance(&current);
     let tables = sql::stream_tables(stream);
     let limit = max_rows as usize;
+    let since_text = since.to_text(TokenKind::MultiWriter);
+    let until_text = until.to_text(TokenKind::MultiWriter);
+    let low = since.stream();
+    let high = until.max_stream_pos();
 
-    // Each table's first limit+1 rows are enough to find the global first
+    // Each table's first limit+1 IDs are enough to find the global first
     // limit+1 rows in ID order.
-    let mut per_table: Vec<Vec<(i64, Value)>> = tables
+    let range = sql::RowRange {
+        low,
+        high,
+        since: &since_text,
+        until: &until_text,
+    };
+    let mut ids: Vec<i64> = tables
         .iter()
-        .map(|t| fetch_rows(t, &since, &until, i64::MAX, Some(limit as i64 + 1)))
+        .flat_map(|t| sql::row_ids(t, &range, limit as i64 + 1))
         .collect();
-    let mut ids: Vec<i64> = per_table.iter().flatten().map(|(id, _)| *id).collect();
     ids.sort_unstable();
-    let (token, limited) = if ids.len() > limit {
+    let (token, cut, limited) = if ids.len() > limit {
         // Cut at an ID boundary so that no ID is split: rows with id < the
         // first excluded ID. If one ID alone has more rows than the limit,
         // take all of its rows: progress beats the limit.
@@ -150,44 +177,51 @@ fn updates(
         let cut = if ids[0] < first_excluded {
             first_excluded - 1
         } else {
-            // No row of the range is below first_excluded: all rows up to it
-            // are rows with exactly that ID.
-            per_table = tables
-                .iter()
-                .map(|t| fetch_rows(t, &since, &until, first_excluded, None))
-                .collect();
             first_excluded
         };
-        for rows in per_table.iter_mut() {
-            rows.retain(|(id, _)| *id <= cut);
-        }
-        (since.advance(&until.bound(cut)), true)
+        (since.advance(&until.bound(cut)), cut, true)
     } else {
-        (until, false)
+        (until, high, false)
     };
+    // The cut token admits exactly the rows with id <= cut of the range.
+    let range = sql::RowRange { high: cut, ..range };
+    JsonbDatum(sql::updates_answer(
+        &tables,
+        &range,
+        &token.to_text(TokenKind::MultiWriter),
+        token.max_stream_pos(),
+        limited,
+    ))
+}
 
-    // Rows were fetched with `until`; the cut token admits exactly those with
-    // id <= cut, which is what remains.
-    let mut data = Vec::new();
-    for (table, rows) in tables.iter().zip(per_table) {
-        let mut header = vec![
-            Value::from(table.name.clone()),
-            Value::from(token.max_stream_pos()),
-            Value::from(rows.len()),
-            Value::from(table.columns.len()),
-        ];
-        header.extend(
-            table
-                .columns
-                .iter()
-                .map(|c| Value::from(c.trim_matches('"').to_string())),
-        );
-        data.push(Value::Array(header));
-        data.extend(rows.into_iter().map(|(_, row)| row));
+/// A jsonb value built by PostgreSQL, returned as it is.
+pub struct JsonbDatum(pg_sys::Datum);
+
+impl pgrx::IntoDatum for JsonbDatum {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        Some(self.0)
     }
-    JsonB(serde_json::json!({
-        "token": token.to_text(TokenKind::MultiWriter),
-        "limited": limited,
-        "data": data,
-    }))
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::JSONBOID
+    }
+}
+
+// SAFETY: the datum is a jsonb varlena in the function's memory context.
+unsafe impl pgrx::callconv::BoxRet for JsonbDatum {
+    unsafe fn box_into<'fcx>(
+        self,
+        fcinfo: &mut pgrx::callconv::FcInfo<'fcx>,
+    ) -> pgrx::datum::Datum<'fcx> {
+        // SAFETY: as above.
+        unsafe { fcinfo.return_raw_datum(self.0) }
+    }
+}
+
+// SAFETY: maps to the SQL type jsonb, which the datum is.
+unsafe impl SqlTranslatable for JsonbDatum {
+    const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!(JsonbDatum);
+    const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+    const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> = Ok(SqlMappingRef::literal("jsonb"));
+    const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+        Ok(ReturnsRef::One(SqlMappingRef::literal("jsonb")));
 }

@@ -2,26 +2,23 @@
 //! and who holds the frontier back.
 
 use pgrx::prelude::*;
-use streampos_core::frontier;
 use streampos_core::token::Token;
 
 use crate::catalog;
 use crate::engine::{self, in_recovery, writer_ids};
 use crate::error::{Error, OrRaise};
-use crate::registry;
-use crate::types::{MultiWriterToken, RoomToken};
+use crate::{registry, sql};
 
 #[pg_extern(stable, strict, parallel_restricted)]
 fn frontier(stream: &str) -> i64 {
     let meta = catalog::stream(stream).or_raise();
-    let v = engine::view(&meta);
-    meta.external(frontier::frontier(v.max_allocated, &v.holders))
+    meta.external(engine::answer(&meta).frontier())
 }
 
 #[pg_extern(stable, strict, parallel_restricted)]
 fn max_allocated(stream: &str) -> i64 {
     let meta = catalog::stream(stream).or_raise();
-    meta.external(engine::view(&meta).max_allocated)
+    meta.external(engine::answer(&meta).positions.max_allocated)
 }
 
 #[pg_extern(stable, strict, parallel_restricted)]
@@ -34,18 +31,16 @@ fn writer_position(stream: &str, writer: &str) -> i64 {
         }
         .report();
     }
-    let v = engine::view(&meta);
+    let a = engine::answer(&meta);
     let id = catalog::lookup_instance_id(writer);
     let position = match id {
         // On a standby, only stored positions are known.
-        _ if in_recovery() && !id.is_some_and(|id| v.seen.contains(&id)) => {
-            frontier::frontier(v.max_allocated, &v.holders)
-        }
-        Some(id) => frontier::writer_position(v.max_allocated, &v.holders, id),
+        _ if in_recovery() && !id.is_some_and(|id| a.seen.contains(&id)) => a.frontier(),
+        Some(id) => a.positions.writer_position(id),
         // A name this snapshot cannot resolve may belong to a writer whose
         // first transaction (which created the name) is still running: the
         // frontier is the only safe answer.
-        None => frontier::frontier(v.max_allocated, &v.holders),
+        None => a.frontier(),
     };
     meta.external(position)
 }
@@ -62,16 +57,16 @@ fn writer_positions(
     ),
 > {
     let meta = catalog::stream(stream).or_raise();
-    let v = engine::view(&meta);
-    let names = catalog::instance_names();
-    let rows: Vec<(String, i32, i64)> = writer_ids(&meta, &v)
+    let a = engine::answer(&meta);
+    let names = sql::instance_names();
+    let rows: Vec<(String, i32, i64)> = writer_ids(&meta, &a)
         .into_iter()
         // An instance whose name this snapshot cannot see yet (created by a
         // transaction still running) is left out, as it would be from a
         // token's reader: it reads as the frontier.
         .filter_map(|id| {
             let name = names.get(&id)?.clone();
-            let position = frontier::writer_position(v.max_allocated, &v.holders, id);
+            let position = a.positions.writer_position(id);
             Some((name, id, meta.external(position)))
         })
         .collect();
@@ -80,23 +75,36 @@ fn writer_positions(
 
 fn token_of(stream: &str) -> Token {
     let meta = catalog::stream(stream).or_raise();
-    let v = engine::view(&meta);
+    let a = engine::answer(&meta);
     if meta.backwards {
         // Per-writer entries cannot be expressed once negated (they would be
         // below the minimum): a backward stream's token is its frontier.
-        return Token::live(meta.external(frontier::frontier(v.max_allocated, &v.holders)));
+        return Token::live(meta.external(a.frontier()));
     }
-    frontier::current_token(v.max_allocated, &v.holders, &writer_ids(&meta, &v))
+    a.positions.token(&writer_ids(&meta, &a))
 }
 
 #[pg_extern(stable, strict, parallel_restricted)]
-fn current_token(stream: &str) -> MultiWriterToken {
-    MultiWriterToken(token_of(stream))
+fn current_token(stream: &str) -> crate::types::MultiWriterToken {
+    crate::types::MultiWriterToken(token_of(stream))
 }
 
 #[pg_extern(stable, strict, parallel_restricted)]
-fn current_room_token(stream: default!(&str, "'events'")) -> RoomToken {
-    RoomToken(token_of(stream))
+fn current_room_token(stream: default!(&str, "'events'")) -> crate::types::RoomToken {
+    crate::types::RoomToken(token_of(stream))
+}
+
+/// May the current role see another backend's details? As
+/// `pg_stat_activity` decides: a member of pg_read_all_stats, or a role
+/// with the privileges of the backend's role.
+fn may_see_backend_of(role: pg_sys::Oid) -> bool {
+    // SAFETY: catalog lookups of role membership; raise no error for
+    // existing roles.
+    unsafe {
+        let me = pg_sys::GetUserId();
+        pg_sys::has_privs_of_role(me, role)
+            || pg_sys::has_privs_of_role(me, pg_sys::Oid::from(pg_sys::ROLE_PG_READ_ALL_STATS))
+    }
 }
 
 #[allow(clippy::type_complexity)]
@@ -108,12 +116,12 @@ fn in_flight(
     (
         name!(stream_name, String),
         name!(instance_name, String),
-        name!(pid, i32),
-        name!(xid, pg_sys::TransactionId),
+        name!(pid, Option<i32>),
+        name!(xid, Option<pg_sys::TransactionId>),
         name!(min_id, i64),
         name!(max_id, i64),
         name!(ids, i64),
-        name!(since, TimestampWithTimeZone),
+        name!(since, Option<TimestampWithTimeZone>),
     ),
 > {
     registry::require_loaded().or_raise();
@@ -123,7 +131,6 @@ fn in_flight(
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     let streams = catalog::streams_by_key();
-    let names = catalog::instance_names();
     let mut rows = Vec::new();
     for r in registry::in_flight().or_raise() {
         if r.db != db {
@@ -140,17 +147,20 @@ fn in_flight(
         } else {
             (r.min_id, r.max_id)
         };
+        // Another role's backend: its pid, xid and start time only where
+        // pg_stat_activity would show its activity.
+        let visible = may_see_backend_of(r.role);
         let since = TimestampWithTimeZone::try_from(r.since)
             .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity());
         rows.push((
             meta.name.clone(),
-            names.get(&r.instance).cloned().unwrap_or_default(),
-            r.pid,
-            r.xid,
+            r.instance_name,
+            visible.then_some(r.pid),
+            visible.then_some(r.xid),
             lo,
             hi,
             r.ids,
-            since,
+            visible.then_some(since),
         ));
     }
     rows.sort_by(|a, b| (a.0.as_str(), a.4).cmp(&(b.0.as_str(), b.4)));

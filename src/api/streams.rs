@@ -5,7 +5,6 @@ use pgrx::pgrx_sql_entity_graph::metadata::{
 };
 use pgrx::prelude::*;
 use pgrx::{IntoDatum, PgRelation};
-use streampos_core::frontier;
 
 use crate::catalog;
 use crate::engine;
@@ -45,8 +44,20 @@ unsafe impl SqlTranslatable for RegClass {
         Ok(ReturnsRef::One(SqlMappingRef::literal("regclass")));
 }
 
+/// Most writers a stream may list.
+const MAX_WRITERS: usize = 1024;
+
 fn ensure_writer_instances(writers: &Option<Vec<Option<String>>>) -> Option<Vec<String>> {
     let writers = writers.as_ref()?;
+    if writers.len() > MAX_WRITERS {
+        Error::TooLarge {
+            what: format!("a list of {} writers", writers.len()),
+            limit: format!(
+                "A stream lists at most {MAX_WRITERS} writers; NULL lets any instance write."
+            ),
+        }
+        .report();
+    }
     let mut names = Vec::with_capacity(writers.len());
     for w in writers {
         let Some(w) = w else {
@@ -67,6 +78,12 @@ fn check_new_stream(stream: &str) {
     }
 }
 
+/// The role calling, as privilege checks see it.
+fn current_role() -> pg_sys::Oid {
+    // SAFETY: reads the current user id; raises no error.
+    unsafe { pg_sys::GetUserId() }
+}
+
 #[pg_extern(volatile, parallel_unsafe)]
 fn create_stream(
     stream: &str,
@@ -75,7 +92,9 @@ fn create_stream(
 ) -> RegClass {
     check_new_stream(stream);
     let writers = ensure_writer_instances(&writers);
-    let seq = sql::create_sequence(&format!("{stream}_seq"));
+    // Owned by the role creating the stream: it may allocate, grant USAGE to
+    // other writers, and repair it.
+    let seq = sql::create_sequence(&format!("{stream}_seq"), current_role());
     sql::insert_stream(stream, seq, true, backwards, writers);
     catalog::mark_changed();
     RegClass(seq)
@@ -90,16 +109,33 @@ fn adopt_stream(
 ) {
     check_new_stream(stream);
     let oid = seq.oid();
+    let name = sql::relation_name(oid);
     match sequence::settings(oid) {
         Some((1, 1)) => {}
-        None => Error::invalid(format!("\"{}\" is not a sequence", seq.name())).report(),
+        None => Error::NotASequence(name).report(),
         Some((increment, cache)) => Error::InvalidArgument {
-            message: format!("sequence \"{}\" must have INCREMENT 1 and CACHE 1", seq.name()),
+            message: format!("sequence {name} must have INCREMENT 1 and CACHE 1"),
             detail: Some(format!(
                 "It has INCREMENT {increment} and CACHE {cache}. With a cache, backends hand out IDs out of order, which no registry can see."
             )),
         }
         .report(),
+    }
+    // Registering a sequence lets the extension repair it: only its owner may.
+    // SAFETY: a catalog lookup; raises no error for an existing relation.
+    if !unsafe { pg_sys::pg_class_ownercheck(oid, current_role()) } {
+        Error::NotOwner(format!("sequence {name}")).report();
+    }
+    sequence::check_usable(oid);
+    if let Some(other) = sql::stream_of_sequence(oid) {
+        Error::InvalidArgument {
+            message: format!(
+                "sequence {name} already belongs to stream \"{}\"",
+                crate::error::clip(&other)
+            ),
+            detail: Some("Each stream has a sequence of its own.".into()),
+        }
+        .report();
     }
     let writers = ensure_writer_instances(&writers);
     sql::insert_stream(stream, oid, false, backwards, writers);
@@ -115,11 +151,21 @@ fn add_table(
 ) {
     catalog::stream(stream).or_raise();
     let oid = tbl.oid();
+    let name = sql::relation_name(oid);
+    // updates() and check_stream() read the table with the caller's
+    // privileges; registering it needs them too.
+    // SAFETY: a catalog lookup; raises no error for an existing relation.
+    let may_read = unsafe {
+        pg_sys::pg_class_aclcheck(oid, current_role(), pg_sys::ACL_SELECT as pg_sys::AclMode)
+    } == pg_sys::AclResult::ACLCHECK_OK;
+    if !may_read {
+        Error::NoSelect(name).report();
+    }
     for column in std::iter::once(id_column).chain(instance_column) {
-        if !sql::column_exists(oid, column) {
+        if sql::column_number(oid, column).is_none() {
             Error::UnknownColumn {
                 column: column.into(),
-                table: tbl.name().into(),
+                table: name.clone(),
             }
             .report();
         }
@@ -136,8 +182,7 @@ fn set_writers(stream: &str, writers: Option<Vec<Option<String>>>) {
     if let Some(writers) = writers {
         // A removed writer loses its stored position; a new one starts at the
         // frontier (never ahead of the truth).
-        let v = engine::view(&meta);
-        let front = meta.external(frontier::frontier(v.max_allocated, &v.holders));
+        let front = meta.external(engine::answer(&meta).frontier());
         sql::reset_positions(stream, writers, front);
     }
     catalog::mark_changed();
@@ -148,7 +193,7 @@ fn drop_stream(stream: &str) {
     let meta = catalog::stream(stream).or_raise();
     sql::delete_stream(stream);
     if meta.owns_sequence {
-        sql::drop_sequence(&meta.seq_name);
+        sql::drop_owned_sequence(meta.seq);
     }
     if registry::is_loaded() {
         registry::mark_dropped(meta.key).or_raise();
@@ -165,4 +210,13 @@ fn instance_id(instance_name: &str) -> i32 {
 fn instance_name(instance_id: i32) -> String {
     catalog::instance_name(instance_id)
         .unwrap_or_else(|| Error::UnknownInstanceId(instance_id).report())
+}
+
+/// Instance ids appear in tokens that clients hold: a row of
+/// `streampos.instances` is never changed or deleted.
+#[pg_trigger]
+fn instances_immutable<'a>(
+    _trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, Error> {
+    Error::InstancesImmutable.report()
 }

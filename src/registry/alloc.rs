@@ -7,9 +7,9 @@ use std::ptr;
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
-use super::shmem::{self, Active, Finished, Locked, FREE_ACTIVE, HEADER, SEEN_WRITERS};
+use super::shmem::{self, Active, Finished, Locked, FREE_ACTIVE, HEADER, NAME_BYTES, SEEN_WRITERS};
 use super::streams::{matches, Stale};
-use super::visibility::fold_into_summary;
+use super::visibility::{durable_lsn, fold_into_summary, latest_completed};
 use crate::error::Error;
 
 /// True while this backend's current transaction holds entries: the commit
@@ -30,13 +30,18 @@ pub fn holding() -> bool {
 pub fn begin_allocation(
     stream: usize,
     key: i32,
+    seq: pg_sys::Oid,
     instance: i32,
+    instance_name: &str,
     xid: TransactionId,
 ) -> Result<Result<usize, Stale>, Error> {
     let slot_index = shmem::my_slot_index()?;
     register_exit_callback();
+    let mut name = [0u8; NAME_BYTES];
+    let len = instance_name.len().min(NAME_BYTES - 1);
+    name[..len].copy_from_slice(&instance_name.as_bytes()[..len]);
     let locked = Locked::acquire(true)?;
-    if !matches(&locked.streams()[stream], key) {
+    if !matches(&locked.streams()[stream], key, seq) {
         return Ok(Err(Stale));
     }
     let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
@@ -66,12 +71,14 @@ pub fn begin_allocation(
         // SAFETY: plain read of the transaction's start time.
         since: unsafe { pg_sys::GetCurrentTransactionStartTimestamp() },
         lsn: 0,
+        name,
     };
     let header = &mut locked.slot_headers()[slot_index];
     // SAFETY: process identity globals, set at backend start.
     unsafe {
         header.pid = pg_sys::MyProcPid;
         header.db = pg_sys::MyDatabaseId;
+        header.role = pg_sys::GetUserId();
         HOLDING = true;
     }
     header.used += 1;
@@ -83,7 +90,6 @@ pub fn begin_allocation(
 pub fn finish_allocation(
     stream: usize,
     entry: usize,
-    instance: i32,
     first: i64,
     last: i64,
     count: i64,
@@ -112,10 +118,6 @@ pub fn finish_allocation(
     a.lsn = a.lsn.max(lsn);
     let s = &mut locked.streams()[stream];
     s.max_allocated = s.max_allocated.max(last);
-    if !s.seen[..s.n_seen as usize].contains(&instance) && (s.n_seen as usize) < SEEN_WRITERS {
-        s.seen[s.n_seen as usize] = instance;
-        s.n_seen += 1;
-    }
     Ok(())
 }
 
@@ -137,26 +139,25 @@ pub fn end_transaction(committed: bool) {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
-        let mut flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        crate::guc::test_pause_before_release();
         if !committed {
-            // An abort releases its IDs at once, so the sequence record that
-            // covers them must be on disk first, or a crash could hand them
-            // out again. Rare: nextval logs once per 32 values and after a
-            // checkpoint.
-            let needed = own_slot_lsn_max(procno as usize);
-            if needed > flushed {
+            // An abort releases its IDs, so the sequence record that covers
+            // them should be on disk first, or a crash could hand them out
+            // again (until it is, they stay in the ring, held). Rare: nextval
+            // logs once per 32 values and after a checkpoint. An allocation
+            // that failed before recording its WAL position is covered by
+            // flushing everything inserted so far.
+            let needed = own_slot_lsn_needed(procno as usize);
+            if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
                 pg_sys::XLogFlush(needed);
-                flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
             }
         }
-        // Read without our lock; cannot raise an error. Our own completion
-        // is already counted (ProcArrayEndTransaction ran).
-        let completion_count = (*pg_sys::ShmemVariableCache).xactCompletionCount;
-        let latest_completed = TransactionId::from_inner(
-            (*pg_sys::ShmemVariableCache).latestCompletedXid.value as u32,
-        );
+        let durable = durable_lsn();
         let locked = Locked::acquire_raw(HEADER, true);
         let h = locked.h();
+        // Read under the lock, after our own end: every snapshot whose xmax
+        // is past it + 1 was taken after this push (see visibility.rs).
+        let stamp = latest_completed();
         // Streams to wake, without allocating.
         let mut woken = [usize::MAX; 16];
         let mut n_woken = 0;
@@ -174,34 +175,44 @@ pub fn end_transaction(committed: bool) {
                     wake_all = true;
                 }
             }
-            // A synchronous commit flushed past the IDs' sequence record;
-            // an abort or an asynchronous commit may not have.
-            let lsn = if a.lsn > flushed { a.lsn } else { 0 };
-            if committed || lsn != 0 {
+            // An allocation that failed before recording its WAL position
+            // is held until everything inserted so far is durable.
+            let lsn = if a.pending {
+                pg_sys::GetXLogInsertRecPtr()
+            } else {
+                a.lsn
+            };
+            // A commit stays in the ring for snapshots that do not see it
+            // yet; an abort only while its IDs are not durable.
+            if committed || lsn > durable {
                 let entry = Finished {
                     stream: a.stream,
                     instance: a.instance,
-                    min_id: a.min_id,
-                    max_id: a.max_id,
                     xid: a.xid,
-                    aborted: !committed,
+                    latest_completed: stamp,
+                    min_id: a.min_id,
                     lsn,
+                    lsn_prefix_max: 0,
+                    aborted: !committed,
                 };
-                // Full: the oldest entry (first committed) makes room and is
-                // folded into its stream's summary. Fresh snapshots surely
-                // see the oldest commits, so only old snapshots pay for it.
+                // Full: the oldest entry makes room and is folded into its
+                // stream's summary.
                 if let Some(evicted) = locked.ring_push(entry) {
                     fold_into_summary(
                         &mut locked.streams()[evicted.stream as usize].summary,
-                        evicted.xid,
-                        evicted.min_id,
-                        completion_count,
-                        evicted.lsn,
-                        latest_completed,
+                        &evicted,
                     );
                 }
             }
-            locked.streams()[stream].generation += 1;
+            let s = &mut locked.streams()[stream];
+            if committed
+                && !s.seen[..s.n_seen as usize].contains(&a.instance)
+                && (s.n_seen as usize) < SEEN_WRITERS
+            {
+                s.seen[s.n_seen as usize] = a.instance;
+                s.n_seen += 1;
+            }
+            s.generation += 1;
             *a = FREE_ACTIVE;
         }
         locked.slot_headers()[procno as usize].used = 0;
@@ -242,25 +253,34 @@ pub fn flush_before_commit() {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
-        let needed = own_slot_lsn_max(procno as usize);
+        let needed = own_slot_lsn_needed(procno as usize);
         if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
             pg_sys::XLogFlush(needed);
         }
     }
 }
 
-/// The highest WAL position this backend's entries need durable.
+/// The highest WAL position this backend's entries need durable; for an
+/// allocation that failed before recording it, everything inserted so far.
 ///
 /// # Safety
 /// The registry must be initialised and `slot` must be the caller's.
-unsafe fn own_slot_lsn_max(slot: usize) -> u64 {
-    // SAFETY: forwarded from the caller.
-    unsafe { shmem::own_slot_unlocked(slot) }
-        .iter()
-        .filter(|a| a.stream >= 0)
-        .map(|a| a.lsn)
-        .max()
-        .unwrap_or(0)
+unsafe fn own_slot_lsn_needed(slot: usize) -> u64 {
+    // SAFETY: forwarded from the caller; GetXLogInsertRecPtr raises no error.
+    unsafe {
+        shmem::own_slot_unlocked(slot)
+            .iter()
+            .filter(|a| a.stream >= 0)
+            .map(|a| {
+                if a.pending {
+                    pg_sys::GetXLogInsertRecPtr()
+                } else {
+                    a.lsn
+                }
+            })
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 fn register_exit_callback() {
@@ -288,7 +308,8 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
 pub struct InFlight {
     pub db: pg_sys::Oid,
     pub key: i32,
-    pub instance: i32,
+    pub instance_name: String,
+    pub role: pg_sys::Oid,
     pub pid: i32,
     pub xid: TransactionId,
     pub min_id: i64,
@@ -311,7 +332,11 @@ pub fn in_flight() -> Result<Vec<InFlight>, Error> {
             rows.push(InFlight {
                 db: s.db,
                 key: s.key,
-                instance: a.instance,
+                instance_name: String::from_utf8_lossy(
+                    a.name.split(|&b| b == 0).next().unwrap_or_default(),
+                )
+                .into_owned(),
+                role: header.role,
                 pid: header.pid,
                 xid: a.xid,
                 min_id: a.min_id,

@@ -27,8 +27,8 @@ pub use alloc::{
 };
 pub use shmem::{catalog_sync, is_loaded, request_shared_memory, require_loaded};
 pub use streams::{
-    forget_index, generation, mark_dropped, raise_max_allocated, set_loaded, stream_index,
-    streams_of, Stale,
+    forget_all_indexes, forget_index, generation, mark_dropped, raise_max_allocated, set_loaded,
+    stream_index, streams_of, Stale,
 };
 pub use visibility::{caller_snapshot, prune, prune_if_crowded, view, StreamView};
 pub use wait::wait_for_change;

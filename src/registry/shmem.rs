@@ -30,10 +30,16 @@ pub(super) struct Header {
     pub ring_cap: u32,
     pub n_slots: u32,
     pub per_slot: u32,
-    /// The finished ring is a FIFO in commit order: `ring_head` is the
+    /// The finished ring is a FIFO in push order: `ring_head` is the
     /// oldest entry, `ring_used` the number of entries.
     pub ring_head: u32,
     pub ring_used: u32,
+    /// The highest `lsn` ever pushed (for `Finished::lsn_prefix_max`).
+    pub ring_lsn_max: u64,
+    /// The highest durable WAL position ever seen (see
+    /// `visibility::durable_lsn`): what was final stays final when
+    /// synchronous standbys are configured later.
+    pub durable_high_water: AtomicU64,
     pub catalog: CatalogSync,
     pub workers: [WorkerSlot; MAX_DATABASES],
 }
@@ -59,54 +65,74 @@ pub(super) struct WorkerSlot {
     pub latch: *mut pg_sys::Latch,
 }
 
+/// What a stream keeps of the finished entries the ring had to let go
+/// (folded, oldest first, when the ring is full).
 #[repr(C)]
-#[derive(Clone, Copy)]
 pub(super) struct Summary {
     pub valid: bool,
-    pub min_xid: TransactionId,
-    pub max_xid: TransactionId,
+    /// The lowest ID of any folded entry: a snapshot that may not see every
+    /// folded entry treats the summary as in flight from here, for every
+    /// writer.
     pub min_id: i64,
-    /// The transaction completion count after the last fold: a snapshot
-    /// whose own count is at least this was taken after every folded
-    /// transaction completed, so it sees them all.
-    pub completion_count: u64,
-    /// The highest WAL position the folded allocations need flushed.
-    pub lsn: u64,
-    /// `latestCompletedXid` at the last fold: a snapshot whose xmax is past
-    /// it + 1 saw a later completion, so it was taken after the fold.
+    /// The highest `latest_completed` of any folded entry: a snapshot whose
+    /// xmax is past it + 1 was taken after every folded entry was pushed, so
+    /// it sees them all (see `visibility.rs`).
     pub latest_completed: TransactionId,
+    /// The highest xid folded: once it precedes every snapshot's xmin, the
+    /// summary is seen by all and is dropped.
+    pub max_xid: TransactionId,
+    /// The highest WAL position the folded allocations need durable.
+    pub lsn: u64,
 }
 
+/// One stream's state. Not `Copy`: it holds a condition variable that other
+/// processes may be waiting on, which must never be moved or overwritten.
 #[repr(C)]
-#[derive(Clone, Copy)]
 pub(super) struct StreamState {
     pub in_use: bool,
     pub loaded: bool,
     pub dropped: bool,
     pub db: pg_sys::Oid,
     pub key: i32,
+    /// The stream's sequence: a state matches a stream only with the same
+    /// (database, key, sequence), so a stream key reused after the
+    /// extension was dropped and created again starts from a fresh state.
+    pub seq: pg_sys::Oid,
     pub max_allocated: i64,
     /// Bumped every time an allocation of this stream finishes.
     pub generation: u64,
     /// Broadcast when the generation moves; followers sleep on it.
     pub cv: pg_sys::ConditionVariable,
     pub summary: Summary,
+    /// Writers that committed IDs since start-up (or had a stored position
+    /// when the stream was loaded): tokens list them.
     pub n_seen: u32,
     pub seen: [i32; SEEN_WRITERS],
 }
 
+/// A finished allocation kept for snapshots that may not see its end yet.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(super) struct Finished {
     pub stream: i32,
     pub instance: i32,
-    pub min_id: i64,
-    pub max_id: i64,
     pub xid: TransactionId,
-    /// Aborted: kept only until `lsn` is flushed (see `Active::lsn`).
-    pub aborted: bool,
+    /// `latestCompletedXid` when the entry was pushed, read under the
+    /// registry lock: a snapshot whose xmax is past it + 1 was taken after
+    /// the push, so it sees this entry and every older one.
+    pub latest_completed: TransactionId,
+    pub min_id: i64,
+    /// The WAL position the IDs need durable (see `Active::lsn`).
     pub lsn: u64,
+    /// The highest `lsn` of this entry and every entry pushed before it:
+    /// once durable, nothing older needs a durability check.
+    pub lsn_prefix_max: u64,
+    /// Aborted: kept only until `lsn` is durable.
+    pub aborted: bool,
 }
+
+/// Longest instance name kept in a slot (names are 1 to 63 bytes).
+pub(super) const NAME_BYTES: usize = 64;
 
 /// One backend's allocations in its current transaction, per (stream, writer).
 #[repr(C)]
@@ -122,11 +148,15 @@ pub(super) struct Active {
     pub xid: TransactionId,
     pub pending: bool,
     pub since: pg_sys::TimestampTz,
-    /// The WAL insert position right after `nextval` returned. Until the
-    /// WAL is flushed that far, a crash could roll the sequence back below
-    /// these IDs and hand them out again, to any writer: so until then they
-    /// hold back every writer, whatever becomes of the transaction.
+    /// The end of the WAL record that made the sequence hand these IDs out.
+    /// Until it is durable (flushed, and confirmed by synchronous standbys
+    /// when there are any), a crash or a failover could roll the sequence
+    /// back below these IDs and hand them out again, to any writer: so until
+    /// then they hold back every writer, whatever becomes of the transaction.
     pub lsn: u64,
+    /// The instance's name (NUL-padded), for `in_flight()`: a name created
+    /// by this still-running transaction is not in any other snapshot.
+    pub name: [u8; NAME_BYTES],
 }
 
 pub(super) const FREE_ACTIVE: Active = Active {
@@ -139,6 +169,7 @@ pub(super) const FREE_ACTIVE: Active = Active {
     pending: false,
     since: 0,
     lsn: 0,
+    name: [0; NAME_BYTES],
 };
 
 #[repr(C)]
@@ -146,6 +177,8 @@ pub(super) const FREE_ACTIVE: Active = Active {
 pub(super) struct SlotHeader {
     pub pid: i32,
     pub db: pg_sys::Oid,
+    /// The role the backend allocated as (for `in_flight()`'s privacy).
+    pub role: pg_sys::Oid,
     pub used: u32,
 }
 
@@ -180,6 +213,12 @@ pub(super) static mut HEADER: *mut Header = ptr::null_mut();
 static mut PREV_SHMEM_REQUEST: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP: pg_sys::shmem_startup_hook_type = None;
 
+/// The finished ring holds at least one entry more than every backend
+/// slot together: the summary's rule (see `visibility.rs`) relies on it.
+fn ring_capacity(n_slots: usize, per_slot: usize) -> usize {
+    (guc::FINISHED_RING_SIZE.get() as usize).max(n_slots * per_slot + 1)
+}
+
 fn slot_count() -> usize {
     // Every regular backend and background worker has a PGPROC below
     // MaxBackends; only they can run SQL.
@@ -208,11 +247,12 @@ unsafe extern "C-unwind" fn shmem_request() {
         if let Some(prev) = PREV_SHMEM_REQUEST {
             prev();
         }
+        let per_slot = guc::MAX_STREAMS_PER_TRANSACTION.get() as usize;
         let l = layout(
             guc::MAX_STREAMS.get() as usize,
-            guc::FINISHED_RING_SIZE.get() as usize,
+            ring_capacity(slot_count(), per_slot),
             slot_count(),
-            guc::MAX_STREAMS_PER_TRANSACTION.get() as usize,
+            per_slot,
         );
         pg_sys::RequestAddinShmemSpace(l.total);
         pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 1);
@@ -230,9 +270,9 @@ unsafe extern "C-unwind" fn shmem_startup() {
             prev();
         }
         let n_streams = guc::MAX_STREAMS.get() as usize;
-        let ring_cap = guc::FINISHED_RING_SIZE.get() as usize;
         let n_slots = slot_count();
         let per_slot = guc::MAX_STREAMS_PER_TRANSACTION.get() as usize;
+        let ring_cap = ring_capacity(n_slots, per_slot);
         let l = layout(n_streams, ring_cap, n_slots, per_slot);
 
         // AddinShmemInitLock is MainLWLockArray[21] (lwlocknames.txt).
@@ -391,6 +431,13 @@ pub(super) unsafe fn own_slot_unlocked(slot: usize) -> &'static [Active] {
         let entries = (HEADER as *const u8).add(l.entries) as *const Active;
         std::slice::from_raw_parts(entries.add(slot * per), per)
     }
+}
+
+/// The durable high-water mark, when loaded.
+pub(super) fn durable_high_water() -> Option<&'static AtomicU64> {
+    // SAFETY: HEADER is set once per process at start-up; the atomic lives
+    // as long as shared memory, i.e. as long as the process.
+    unsafe { HEADER.as_ref().map(|h| &h.durable_high_water) }
 }
 
 /// The shared catalog generation and last catalog xid, when loaded.

@@ -4,7 +4,7 @@
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, SEEN_WRITERS};
+use super::shmem::{Locked, StreamState, SEEN_WRITERS};
 use crate::error::Error;
 
 thread_local! {
@@ -13,37 +13,54 @@ thread_local! {
     /// retry, never a wrong answer.
     static INDEX_CACHE: std::cell::RefCell<std::collections::HashMap<i32, usize>> =
         std::cell::RefCell::new(std::collections::HashMap::new());
+    /// Set from an invalidation callback, which must not touch the cache.
+    static INDEX_CACHE_STALE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The registry no longer has `key` at the cached index.
 #[derive(Debug)]
 pub struct Stale;
 
-/// Is `s` the loaded state of stream `key` of this database?
-pub(super) fn matches(s: &super::shmem::StreamState, key: i32) -> bool {
+/// Is `s` the loaded state of stream (`key`, `seq`) of this database?
+pub(super) fn matches(s: &StreamState, key: i32, seq: pg_sys::Oid) -> bool {
+    is_state_of(s, key, seq) && s.loaded
+}
+
+fn is_state_of(s: &StreamState, key: i32, seq: pg_sys::Oid) -> bool {
     // SAFETY: MyDatabaseId is set once the backend is connected.
-    s.in_use && s.loaded && s.key == key && s.db == unsafe { pg_sys::MyDatabaseId }
+    s.in_use && s.key == key && s.seq == seq && s.db == unsafe { pg_sys::MyDatabaseId }
 }
 
 pub fn forget_index(key: i32) {
     INDEX_CACHE.with(|c| c.borrow_mut().remove(&key));
 }
 
-/// Find the state of (current database, stream key), creating it if needed.
-/// Returns its index and whether its maximum allocated ID is known yet.
-pub fn stream_index(key: i32) -> Result<(usize, bool), Error> {
+/// After the extension was dropped and created again, stream keys start
+/// over: forget every cached index at the next use (they are validated
+/// anyway; this saves the retries). Safe from any callback.
+pub fn forget_all_indexes() {
+    INDEX_CACHE_STALE.with(|x| x.set(true));
+}
+
+/// Find the state of (current database, stream key, sequence), creating it
+/// if needed. Returns its index and whether its maximum allocated ID is known
+/// yet.
+pub fn stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Error> {
     super::require_loaded()?;
+    if INDEX_CACHE_STALE.with(|x| x.replace(false)) {
+        INDEX_CACHE.with(|c| c.borrow_mut().clear());
+    }
     if let Some(i) = INDEX_CACHE.with(|c| c.borrow().get(&key).copied()) {
         return Ok((i, true));
     }
-    let (index, loaded) = lookup_stream_index(key)?;
+    let (index, loaded) = lookup_stream_index(key, seq)?;
     if loaded {
         INDEX_CACHE.with(|c| c.borrow_mut().insert(key, index));
     }
     Ok((index, loaded))
 }
 
-fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
+fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Error> {
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     {
@@ -51,7 +68,7 @@ fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
         if let Some(i) = locked
             .streams()
             .iter()
-            .position(|s| s.in_use && s.db == db && s.key == key)
+            .position(|s| is_state_of(s, key, seq))
         {
             return Ok((i, locked.streams()[i].loaded));
         }
@@ -62,11 +79,15 @@ fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
     }
     let locked = Locked::acquire(true)?;
     let streams = locked.streams();
-    if let Some(i) = streams
-        .iter()
-        .position(|s| s.in_use && s.db == db && s.key == key)
-    {
+    if let Some(i) = streams.iter().position(|s| is_state_of(s, key, seq)) {
         return Ok((i, streams[i].loaded));
+    }
+    // The same key with another sequence: the stream was dropped with the
+    // extension and created again. Its old state is never used again.
+    for s in streams.iter_mut() {
+        if s.in_use && s.db == db && s.key == key {
+            s.dropped = true;
+        }
     }
     let free = match streams.iter().position(|s| !s.in_use) {
         Some(i) => Some(i),
@@ -78,15 +99,19 @@ fn lookup_stream_index(key: i32) -> Result<(usize, bool), Error> {
             guc: "streampos.max_streams",
         });
     };
+    // Field by field: the condition variable stays as it is, as followers
+    // of the state's previous stream may still be on its wait list.
     let s = &mut locked.streams()[i];
-    // Keep the condition variable: a follower may still be registered on it.
-    let cv = s.cv;
-    // SAFETY: every field of StreamState is valid when zeroed.
-    *s = unsafe { std::mem::zeroed() };
-    s.cv = cv;
     s.in_use = true;
+    s.loaded = false;
+    s.dropped = false;
     s.db = db;
     s.key = key;
+    s.seq = seq;
+    s.max_allocated = 0;
+    s.generation = s.generation.wrapping_add(1);
+    s.summary.valid = false;
+    s.n_seen = 0;
     Ok((i, false))
 }
 

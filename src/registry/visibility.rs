@@ -1,9 +1,37 @@
-//! How a reader decides what is in flight for its snapshot: the running
-//! allocations in the backend slots, the finished ring of recent commits a
-//! snapshot may not see yet, the per-stream summary of entries the ring had
-//! to let go, and the pruning that forgets what every snapshot sees.
+//! How a reader decides what is in flight for its snapshot.
+//!
+//! An allocation holds a stream back for snapshot S while S does not see
+//! its transaction's end, or while its IDs are not durable. The reader
+//! decides from S's own contents and from facts that only ever grow; it
+//! never asks whether a transaction has committed *now* (that would let a
+//! later commit change what an old snapshot is told).
+//!
+//! Three places hold finished-or-not allocations:
+//!
+//! - the backend slots: transactions that have not run their commit or abort
+//!   callback. An entry whose xid S sees as finished ended before S was
+//!   taken; otherwise it holds S back.
+//! - the finished ring: entries moved there by the callbacks, in push order,
+//!   each stamped with `latestCompletedXid` at its push (read under the
+//!   registry lock). S sees an entry when `XidInMVCCSnapshot` says so. If
+//!   `S.xmax - 1` is past an entry's stamp, S was taken after that push: S
+//!   sees it and every older entry, so the scan (newest first) stops there.
+//!   A reader's work is what its own snapshot cannot see, not the ring's
+//!   length.
+//! - the summary of each stream: when the ring is full, its oldest entry is
+//!   folded into it (lowest ID, highest stamp, highest xid, highest LSN). S
+//!   sees the summary when `S.xmax - 1` is past the highest stamp; otherwise
+//!   it holds every writer back from its lowest ID. Because the ring holds
+//!   more entries than all backend slots together, the stamp has moved on
+//!   by the time an entry is folded, so every snapshot taken after a fold
+//!   sees the summary. Only snapshots older than the ring pay (they lag;
+//!   they never miss a row).
+//!
+//! Pruning forgets ring entries (and summaries) whose xids precede every
+//! snapshot's xmin, once durable.
 
 use std::ptr;
+use std::sync::atomic::Ordering;
 
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
@@ -15,7 +43,7 @@ use crate::error::Error;
 
 impl Locked {
     /// The finished entries, oldest first.
-    pub(super) fn ring_entries(&self) -> impl Iterator<Item = &Finished> + '_ {
+    pub(super) fn ring_entries(&self) -> impl DoubleEndedIterator<Item = &Finished> + '_ {
         let h = self.h();
         let (head, used, cap) = (
             h.ring_head as usize,
@@ -28,8 +56,10 @@ impl Locked {
 
     /// Append at the tail; when full, the oldest entry makes room and is
     /// returned.
-    pub(super) fn ring_push(&self, entry: Finished) -> Option<Finished> {
+    pub(super) fn ring_push(&self, mut entry: Finished) -> Option<Finished> {
         let h = self.h();
+        h.ring_lsn_max = h.ring_lsn_max.max(entry.lsn);
+        entry.lsn_prefix_max = h.ring_lsn_max;
         let cap = h.ring_cap as usize;
         let ring = self.ring();
         if (h.ring_used as usize) < cap {
@@ -56,42 +86,84 @@ impl Locked {
     }
 }
 
+fn precedes(a: TransactionId, b: TransactionId) -> bool {
+    // SAFETY: a pure comparison of two xids.
+    unsafe { pg_sys::TransactionIdPrecedes(a, b) }
+}
+
+/// The xid after `xid`, as `TransactionIdAdvance` computes it (skipping the
+/// special xids on wraparound).
+fn next_xid(xid: TransactionId) -> TransactionId {
+    let next = xid.into_inner().wrapping_add(1);
+    TransactionId::from_inner(next.max(pg_sys::FirstNormalTransactionId.into_inner()))
+}
+
+/// Was `snapshot` taken after `latestCompletedXid` moved past `stamp`? Then
+/// it was taken after the moment `stamp` was read.
+fn taken_after(stamp: TransactionId, snapshot: &pg_sys::SnapshotData) -> bool {
+    !snapshot.takenDuringRecovery && precedes(next_xid(stamp), snapshot.xmax)
+}
+
+/// `latestCompletedXid` now. Callers read it under the registry lock, after
+/// their own transaction's end: see `Finished::latest_completed`.
+pub(super) fn latest_completed() -> TransactionId {
+    // SAFETY: ShmemVariableCache is set up before any backend runs; the
+    // 64-bit field is read atomically on the platforms PostgreSQL supports.
+    let full =
+        unsafe { ptr::read_volatile(&raw const (*pg_sys::ShmemVariableCache).latestCompletedXid) };
+    TransactionId::from_inner(full.value as u32)
+}
+
+/// How far allocations are durable: flushed locally and, while synchronous
+/// standbys are configured, confirmed flushed by them (what a commit waits
+/// for). IDs beyond it could be handed out again after a crash or a
+/// failover. Never goes back: WAL that was final when no synchronous
+/// standby was configured stays final when one is configured later.
+pub fn durable_lsn() -> u64 {
+    // SAFETY: GetFlushRecPtr reads a shared LSN under its own spinlock;
+    // WalSndCtl is shared memory set up at start; its fields are read with
+    // single (atomic on supported platforms) loads.
+    let now = unsafe {
+        let flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        let ctl = pg_sys::WalSndCtl;
+        let sync_defined = !ctl.is_null()
+            && u32::from(ptr::read_volatile(&raw const (*ctl).sync_standbys_status))
+                & pg_sys::SYNC_STANDBY_DEFINED
+                != 0;
+        if sync_defined {
+            let confirmed =
+                ptr::read_volatile(&raw const (*ctl).lsn[pg_sys::SYNC_REP_WAIT_FLUSH as usize]);
+            flushed.min(confirmed)
+        } else {
+            flushed
+        }
+    };
+    match super::shmem::durable_high_water() {
+        Some(high) => high.fetch_max(now, Ordering::AcqRel).max(now),
+        None => now,
+    }
+}
+
 /// Fold an entry evicted from the ring into its stream's summary.
-pub(super) fn fold_into_summary(
-    summary: &mut Summary,
-    xid: TransactionId,
-    min_id: i64,
-    completion_count: u64,
-    lsn: u64,
-    latest_completed: TransactionId,
-) {
+pub(super) fn fold_into_summary(summary: &mut Summary, evicted: &Finished) {
     if !summary.valid {
         *summary = Summary {
             valid: true,
-            min_xid: xid,
-            max_xid: xid,
-            min_id,
-            completion_count,
-            lsn,
-            latest_completed,
+            min_id: evicted.min_id,
+            latest_completed: evicted.latest_completed,
+            max_xid: evicted.xid,
+            lsn: evicted.lsn,
         };
         return;
     }
-    // SAFETY: TransactionIdPrecedes is a pure comparison.
-    unsafe {
-        if pg_sys::TransactionIdPrecedes(summary.latest_completed, latest_completed) {
-            summary.latest_completed = latest_completed;
-        }
-        if pg_sys::TransactionIdPrecedes(xid, summary.min_xid) {
-            summary.min_xid = xid;
-        }
-        if pg_sys::TransactionIdPrecedes(summary.max_xid, xid) {
-            summary.max_xid = xid;
-        }
+    summary.min_id = summary.min_id.min(evicted.min_id);
+    if precedes(summary.latest_completed, evicted.latest_completed) {
+        summary.latest_completed = evicted.latest_completed;
     }
-    summary.completion_count = summary.completion_count.max(completion_count);
-    summary.lsn = summary.lsn.max(lsn);
-    summary.min_id = summary.min_id.min(min_id);
+    if precedes(summary.max_xid, evicted.xid) {
+        summary.max_xid = evicted.xid;
+    }
+    summary.lsn = summary.lsn.max(evicted.lsn);
 }
 
 /// Prune from a writer when the ring is more than half full: the position
@@ -108,90 +180,24 @@ pub fn prune_if_crowded() -> Result<(), Error> {
     Ok(())
 }
 
-/// Forget finished entries that every snapshot, now and later, sees.
+/// Forget finished entries that every snapshot, now and later, sees, once
+/// their IDs are durable.
 pub fn prune() -> Result<(), Error> {
     super::require_loaded()?;
-    // SAFETY: reads the shared transaction horizon; raises no error.
+    // Every existing or future snapshot has an xmin at or past this.
+    // SAFETY: computes the shared horizon; raises no error.
     let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(ptr::null_mut()) };
-    let flushed = flushed_lsn();
+    let durable = durable_lsn();
     let locked = Locked::acquire(true)?;
     // From the head only (FIFO): an entry still needed keeps the younger
-    // ones for a while, which costs readers a little scanning, nothing else.
-    locked.ring_pop_while(|f| {
-        let durable = f.lsn <= flushed;
-        // SAFETY: pure xid comparison.
-        let seen_by_all = f.aborted || unsafe { pg_sys::TransactionIdPrecedes(f.xid, horizon) };
-        durable && seen_by_all
-    });
+    // ones, which readers skip with their stop rule.
+    locked.ring_pop_while(|f| f.lsn <= durable && (f.aborted || precedes(f.xid, horizon)));
     for s in locked.streams().iter_mut() {
-        if s.summary.valid
-            && s.summary.lsn <= flushed
-            // SAFETY: pure xid comparison.
-            && unsafe { pg_sys::TransactionIdPrecedes(s.summary.max_xid, horizon) }
-        {
+        if s.summary.valid && s.summary.lsn <= durable && precedes(s.summary.max_xid, horizon) {
             s.summary.valid = false;
         }
     }
     Ok(())
-}
-
-/// How far the WAL is durable. Allocations beyond it could be handed out
-/// again after a crash.
-fn flushed_lsn() -> u64 {
-    // SAFETY: reads a shared LSN under its own spinlock.
-    unsafe { pg_sys::GetFlushRecPtr(ptr::null_mut()) }
-}
-
-/// Does `snapshot` possibly not see transaction `xid` as finished?
-///
-/// # Safety
-/// `snapshot` must be a valid MVCC snapshot.
-unsafe fn invisible(xid: TransactionId, snapshot: pg_sys::Snapshot) -> bool {
-    // SAFETY: forwarded from the caller.
-    unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
-}
-
-/// Does `snapshot` see every transaction folded into the summary? All of
-/// them committed, within [min_xid, max_xid], before the last fold.
-/// Conservative: a transaction the snapshot saw running, inside the range and
-/// committed since, may be one of them.
-///
-/// # Safety
-/// `snapshot` must be a valid MVCC snapshot.
-unsafe fn sees_all(summary: &Summary, snapshot: pg_sys::Snapshot) -> bool {
-    // SAFETY: the caller passes a valid snapshot; its xip array has xcnt
-    // entries.
-    unsafe {
-        let snap = &*snapshot;
-        // Taken after the last folded transaction completed.
-        if snap.snapXactCompletionCount != 0
-            && snap.snapXactCompletionCount >= summary.completion_count
-        {
-            return true;
-        }
-        if pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmin) {
-            return true;
-        }
-        // xmax - 1 is the latest completed xid when the snapshot was taken:
-        // past the one recorded at the last fold means taken after it.
-        let after_fold =
-            TransactionId::from_inner(summary.latest_completed.into_inner().wrapping_add(1));
-        if pg_sys::TransactionIdPrecedes(after_fold, snap.xmax) {
-            return true;
-        }
-        if snap.takenDuringRecovery || !pg_sys::TransactionIdPrecedes(summary.max_xid, snap.xmax) {
-            return false;
-        }
-        // A running xid of the snapshot inside the range may be a folded
-        // transaction, unless it has not committed (folded ones all have):
-        // typically a long transaction that is still running.
-        let xip = std::slice::from_raw_parts(snap.xip, snap.xcnt as usize);
-        !xip.iter().any(|&x| {
-            !pg_sys::TransactionIdPrecedes(x, summary.min_xid)
-                && !pg_sys::TransactionIdPrecedes(summary.max_xid, x)
-                && pg_sys::TransactionIdDidCommit(x)
-        })
-    }
 }
 
 /// What the caller's snapshot must treat as in flight for one stream.
@@ -214,63 +220,80 @@ pub fn caller_snapshot() -> pg_sys::Snapshot {
     }
 }
 
-/// The holders of stream `stream` (key `key`) for `snapshot`.
+/// The holders of stream `stream` (key `key`, sequence `seq`) for
+/// `snapshot`.
 pub fn view(
     stream: usize,
     key: i32,
+    seq: pg_sys::Oid,
     snapshot: pg_sys::Snapshot,
 ) -> Result<Result<StreamView, Stale>, Error> {
-    // Read before the scan: anything flushed later only makes us more
+    // Read before the scan: anything made durable later only makes us more
     // conservative.
-    let flushed = flushed_lsn();
+    let durable = durable_lsn();
+    // SAFETY: the caller passes its valid MVCC snapshot.
+    let snap = unsafe { &*snapshot };
+    let sees_end = |xid: TransactionId| {
+        // SAFETY: as above.
+        !unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
+    };
     let locked = Locked::acquire(false)?;
-    let s = locked.streams()[stream];
-    if !matches(&s, key) {
+    let s = &locked.streams()[stream];
+    if !matches(s, key, seq) {
         return Ok(Err(Stale));
     }
     let stream_i32 = stream as i32;
     let mut holders = Vec::new();
-    // IDs not yet durable hold back every writer: a crash could hand them
-    // out again to anyone.
-    let held_by = |instance: i32, lsn: u64| {
-        if lsn > flushed {
-            HeldBy::AllWriters
-        } else {
-            HeldBy::Writer(instance)
-        }
+    let hold = |holders: &mut Vec<Holder>, instance: i32, min_id: i64, durable: bool| {
+        holders.push(Holder {
+            // IDs not yet durable hold back every writer: after a crash or
+            // failover they could be handed out again, to anyone.
+            held_by: if durable {
+                HeldBy::Writer(instance)
+            } else {
+                HeldBy::AllWriters
+            },
+            min_id,
+        });
     };
     for (slot_index, header) in locked.slot_headers().iter().enumerate() {
         if header.used == 0 {
             continue;
         }
         for a in locked.slot(slot_index).iter() {
-            if a.stream == stream_i32 {
-                holders.push(Holder {
-                    held_by: held_by(a.instance, a.lsn),
-                    min_id: a.min_id,
-                });
+            if a.stream != stream_i32 {
+                continue;
+            }
+            let ended = sees_end(a.xid);
+            // A pending entry has not recorded its WAL position: while its
+            // transaction runs, its IDs are in flight like any other; once it
+            // has ended (an allocation that failed, its callback not run
+            // yet), nothing says its IDs are durable.
+            let is_durable = if a.pending { !ended } else { a.lsn <= durable };
+            if !ended || !is_durable {
+                hold(&mut holders, a.instance, a.min_id, is_durable);
             }
         }
     }
-    for f in locked.ring_entries() {
+    for f in locked.ring_entries().rev() {
+        if taken_after(f.latest_completed, snap) && f.lsn_prefix_max <= durable {
+            // This entry and every older one: seen and durable.
+            break;
+        }
         if f.stream != stream_i32 {
             continue;
         }
-        let not_durable = f.lsn > flushed;
-        // SAFETY: `snapshot` is the caller's valid MVCC snapshot.
-        let unseen = !f.aborted && unsafe { invisible(f.xid, snapshot) };
-        if not_durable || unseen {
-            holders.push(Holder {
-                held_by: held_by(f.instance, f.lsn),
-                min_id: f.min_id,
-            });
+        let is_durable = f.lsn <= durable;
+        let unseen = !f.aborted && !sees_end(f.xid);
+        if unseen || !is_durable {
+            hold(&mut holders, f.instance, f.min_id, is_durable);
         }
     }
-    // SAFETY: as above.
-    if s.summary.valid && (s.summary.lsn > flushed || !unsafe { sees_all(&s.summary, snapshot) }) {
+    let summary = &s.summary;
+    if summary.valid && (summary.lsn > durable || !taken_after(summary.latest_completed, snap)) {
         holders.push(Holder {
             held_by: HeldBy::AllWriters,
-            min_id: s.summary.min_id,
+            min_id: summary.min_id,
         });
     }
     Ok(Ok(StreamView {

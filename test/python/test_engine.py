@@ -929,7 +929,7 @@ def test_stream_positions_catch_up_and_never_run_ahead(connect, db, stream, pool
     )
     checks = check_rows(db, stream)
     assert [c for c in checks if not c[1]] == [], checks
-    assert {c[0] for c in checks} == {"sequence", "positions"}
+    assert {c[0] for c in checks} == {"sequence", "positions", "allocated"}
 
 
 def test_stream_positions_catch_up_within_a_second_of_each_commit(connect, db, stream):
@@ -964,8 +964,8 @@ def test_check_stream_repairs_table_drift_by_moving_the_sequence(connect, db, st
     db.execute(f"INSERT INTO {table} VALUES (100, 'drift')")
 
     checks = {name: (ok, detail) for name, ok, detail in check_rows(db, stream)}
-    assert checks[f"table {table}"][0] is False, checks
-    assert "100" in checks[f"table {table}"][1]
+    assert checks[f"table public.{table}"][0] is False, checks
+    assert "100" in checks[f"table public.{table}"][1]
     assert checks["sequence"][0] is True and checks["positions"][0] is True
     assert checks["repair"][0] is False
     assert sequence_value(db, seq) == 3  # checking alone changes nothing
@@ -1027,7 +1027,7 @@ def test_check_stream_repairs_backward_stream(connect, db, stream):
         db.execute(f"INSERT INTO {table} VALUES (%s)", (i,))
     db.execute(f"INSERT INTO {table} VALUES (-50)")
     checks = {name: (ok, detail) for name, ok, detail in check_rows(db, stream)}
-    assert checks[f"table {table}"][0] is False, checks
+    assert checks[f"table public.{table}"][0] is False, checks
     checks = {name: (ok, detail) for name, ok, detail in check_rows(db, stream, repair=True)}
     assert checks["repair"][0] is True, checks
     assert sequence_value(db, seq) == 50

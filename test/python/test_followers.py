@@ -14,7 +14,8 @@ WRITERS = ["w1", "w2", "w3", "w4"]
 
 
 def parse_updates(answer):
-    """{"token", "limited", "data"} -> (token, limited, {table: [row, ...]})."""
+    """{"token", "limited", "data"} -> (token, limited, {table: [row, ...]}).
+    Table names are schema-qualified (as regclass prints them)."""
     data = answer["data"]
     tables = {}
     i = 0
@@ -60,12 +61,12 @@ def test_follower_gets_every_committed_row_once_in_writer_order(connect, stream)
                 rows = []
                 for i in ids:
                     conn.execute(f"INSERT INTO {stream}_ev VALUES (%s, %s, 'x')", (i, name))
-                    rows.append((f"{stream}_ev", i, name))
+                    rows.append((f"public.{stream}_ev", i, name))
                     if rng.random() < 0.5:
                         # Several delta rows can share one stream ID.
                         for _ in range(rng.randint(1, 3)):
                             conn.execute(f"INSERT INTO {stream}_delta VALUES (%s, %s, 'd')", (i, name))
-                            rows.append((f"{stream}_delta", i, name))
+                            rows.append((f"public.{stream}_delta", i, name))
                 time.sleep(rng.random() * 0.004)
                 if rng.random() < 0.15:
                     conn.execute("ROLLBACK")
@@ -145,7 +146,7 @@ def test_limited_answer_continues_exactly(connect, stream):
         seen += [(t, row[0]) for t, rows in tables.items() for row in rows]
         if not limited:
             break
-    expected = [(f"{stream}_ev", i) for i in range(1, 7)] + [(f"{stream}_delta", 7)] * 5
+    expected = [(f"public.{stream}_ev", i) for i in range(1, 7)] + [(f"public.{stream}_delta", 7)] * 5
     assert sorted(seen) == sorted(expected)
     assert answers[:3] == [2, 2, 2] and answers[3] == 5, answers
     assert token == "7"
@@ -175,7 +176,7 @@ def test_updates_waits_for_a_commit(connect, stream, pool):
     writer.execute("COMMIT")
     token, _, tables = parse_updates(future.result(timeout=10))
     assert token == "1"
-    assert tables[f"{stream}_ev"] == [[1, "w2", "late"]]
+    assert tables[f"public.{stream}_ev"] == [[1, "w2", "late"]]
 
 
 def test_wait_for_returns_after_the_satisfying_commit(connect, stream, pool):
@@ -196,9 +197,13 @@ def test_wait_for_returns_after_the_satisfying_commit(connect, stream, pool):
 
 
 def test_wait_for_times_out_with_the_current_frontier(connect, stream):
-    conn = connect()
+    conn, writer = connect(), connect()
     create_stream(conn, stream)
     conn.execute("SELECT streampos.next_id(%s, 'w1')", (stream,))
+    # IDs 2..5 allocated and still in flight: 5 is a position this server
+    # handed out, so waiting for it is a wait, not a resynchronise error.
+    writer.execute("BEGIN")
+    writer.execute("SELECT streampos.next_ids(%s, 'w1', 4)", (stream,))
     start = time.monotonic()
     assert one(conn, "SELECT streampos.wait_for(%s, 5, 300)", (stream,)) == 1
     assert time.monotonic() - start >= 0.3
@@ -208,8 +213,10 @@ def test_wait_for_times_out_with_the_current_frontier(connect, stream):
 
 def test_wait_for_is_cancellable(connect, stream, pool):
     """Query cancel and statement_timeout interrupt the sleep."""
-    conn, waiter = connect(), connect()
+    conn, waiter, writer = connect(), connect(), connect()
     create_stream(conn, stream)
+    writer.execute("BEGIN")
+    writer.execute("SELECT streampos.next_ids(%s, 'w1', 100)", (stream,))
     pid = one(waiter, "SELECT pg_backend_pid()")
     future = pool.submit(lambda: waiter.execute("SELECT streampos.wait_for(%s, 100, 60000)", (stream,)))
     time.sleep(0.3)
