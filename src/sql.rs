@@ -119,9 +119,9 @@ fn select_one<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> O
     })
 }
 
-/// The first column of the first row of a statement that changes something
-/// or must see the latest commits (a read-write SPI call takes a new
-/// snapshot under READ COMMITTED).
+/// The first column of the first row of a statement that changes something.
+/// (A read-write SPI call assigns the transaction an xid; reads use
+/// `select_one`, which reads with the active snapshot and assigns none.)
 fn update_one<T: FromDatum + IntoDatum>(query: &str, args: &[DatumWithOid]) -> Option<T> {
     with_safe_path(|| {
         spi(Spi::connect_mut(|client| {
@@ -536,7 +536,7 @@ pub fn stream_tables(stream: &str) -> Vec<StreamTable> {
 }
 
 /// The highest ID (internal numbering) in one table of a stream, read with
-/// the caller's privileges.
+/// the caller's privileges and snapshot.
 pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
     let id = quote_ident(&table.id_column);
     let agg = if backwards {
@@ -544,7 +544,7 @@ pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
     } else {
         format!("pg_catalog.max(t.{id})::pg_catalog.int8")
     };
-    update_one(&format!("SELECT {agg} FROM {} t", table.name), &[])
+    select_one(&format!("SELECT {agg} FROM {} t", table.name), &[])
 }
 
 /// The FROM and WHERE of `updates`' reads of one table: rows with
@@ -594,7 +594,7 @@ impl RowRange<'_> {
 }
 
 /// The IDs of the first `limit` rows of one table that `updates` would
-/// return, in ID order.
+/// return, in ID order, read with the active snapshot.
 pub fn row_ids(table: &StreamTable, range: &RowRange, limit: i64) -> Vec<i64> {
     let id = quote_ident(&table.id_column);
     let query = format!(
@@ -603,22 +603,11 @@ pub fn row_ids(table: &StreamTable, range: &RowRange, limit: i64) -> Vec<i64> {
     );
     let mut args = range.args();
     args.push(limit.into());
-    // A read-write SPI call takes a fresh snapshot (under READ COMMITTED),
-    // taken after the token's: it sees every row the token covers.
-    with_safe_path(|| {
-        spi(Spi::connect_mut(|client| {
-            let mut ids = Vec::new();
-            for row in client.update(query.as_str(), None, &args)? {
-                if let Some(id) = row.get::<i64>(1)? {
-                    ids.push(id);
-                }
-            }
-            Ok(ids)
-        }))
-    })
+    select_all(&query, &args, |row| row.get::<i64>(1))
 }
 
-/// The `updates` answer, built by PostgreSQL in its own memory:
+/// The `updates` answer, built by PostgreSQL in its own memory and read
+/// with the active snapshot:
 /// `{"token": …, "limited": …, "data": [[header], row, …, [header], row, …]}`
 /// with, for each table, `[table_name, position, row_count, column_count,
 /// column_name, …]` and then its rows with $1 < id <= $2 (and in range
@@ -677,8 +666,8 @@ pub fn updates_answer(
         headers = headers.join(", "),
     );
     with_safe_path(|| {
-        spi(Spi::connect_mut(|client| {
-            let table = client.update(query.as_str(), Some(1), &args)?;
+        spi(Spi::connect(|client| {
+            let table = client.select(query.as_str(), Some(1), &args)?;
             let datum = table.first().get_datum_by_ordinal(1)?;
             // SAFETY: a jsonb (varlena) result of this SPI call, copied into
             // the function's memory context before SPI frees its own.

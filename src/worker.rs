@@ -41,7 +41,10 @@ pub fn ensure_running() -> bool {
         .set_function("streampos_position_worker")
         .set_argument(db.into_datum())
         .enable_spi_access()
-        .set_restart_time(Some(Duration::from_secs(1)))
+        // Not restarted by the postmaster: the next allocation in the
+        // database starts it again (within a second), and a database that
+        // was dropped is never retried.
+        .set_restart_time(None)
         .load_dynamic();
     if started.is_err() {
         registry::worker_start_failed(db);
@@ -65,20 +68,28 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         // Another worker serves this database.
         return;
     }
+    // However the worker exits (an ERROR, a FATAL, a clean stop), its slot
+    // is free for the next worker of any database.
+    // SAFETY: registers a callback for this process's exit.
+    unsafe { pg_sys::before_shmem_exit(Some(on_worker_exit), arg) };
     let mut written: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
     let mut last_store: Option<std::time::Instant> = None;
     loop {
         // Prune often: the finished ring is what readers scan.
         let running = BackgroundWorker::wait_latch(Some(Duration::from_millis(PRUNE_INTERVAL_MS)));
+        if BackgroundWorker::sighup_received() {
+            // streampos.position_interval_ms may have changed.
+            // SAFETY: re-reads the configuration file, as every process does
+            // on SIGHUP, outside any transaction.
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
         let _ = registry::prune();
         let interval = Duration::from_millis(guc::POSITION_INTERVAL_MS.get().max(10) as u64);
         let stopping = !running || BackgroundWorker::sigterm_received();
         if stopping || last_store.is_none_or(|t| t.elapsed() >= interval) {
             last_store = Some(std::time::Instant::now());
-            // Each pass is a statement of its own: readers' answers are
-            // cached per statement (see engine::view).
-            // SAFETY: sets this process's statement start time.
-            unsafe { pg_sys::SetCurrentStatementStartTimestamp() };
+            // Each pass is a transaction of its own, so it computes fresh
+            // positions (answers are kept per transaction, see engine.rs).
             let pass = std::panic::AssertUnwindSafe(&mut written);
             let keep_going = BackgroundWorker::transaction(move || {
                 let pass = pass;
@@ -93,6 +104,11 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         }
     }
     registry::release_worker_slot(db);
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_worker_exit(_code: i32, arg: pg_sys::Datum) {
+    registry::release_worker_slot(pg_sys::Oid::from(arg.value() as u32));
 }
 
 /// Run `f` in a subtransaction; an ERROR rolls it back, is logged with

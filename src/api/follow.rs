@@ -37,6 +37,23 @@ fn answer_now(meta: &StreamMeta) -> engine::Answer {
     }
 }
 
+/// Run `f` (the reads of a stream's rows) with a snapshot that sees every
+/// row the token covers: under READ COMMITTED a new latest snapshot, taken
+/// after the one the token was computed for; otherwise the transaction's.
+fn with_row_snapshot<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: called inside a running transaction; the pushed snapshot is
+    // popped afterwards, or by the transaction's abort on ERROR.
+    unsafe {
+        if pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 {
+            return f();
+        }
+        pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot());
+        let value = f();
+        pg_sys::PopActiveSnapshot();
+        value
+    }
+}
+
 /// A follower must not wait for, or read from, a position this server never
 /// reached: after an asynchronous failover or a point-in-time recovery its
 /// history differs from the one the follower saw.
@@ -156,42 +173,45 @@ fn updates(
     let low = since.stream();
     let high = until.max_stream_pos();
 
-    // Each table's first limit+1 IDs are enough to find the global first
-    // limit+1 rows in ID order.
     let range = sql::RowRange {
         low,
         high,
         since: &since_text,
         until: &until_text,
     };
-    let mut ids: Vec<i64> = tables
-        .iter()
-        .flat_map(|t| sql::row_ids(t, &range, limit as i64 + 1))
-        .collect();
-    ids.sort_unstable();
-    let (token, cut, limited) = if ids.len() > limit {
-        // Cut at an ID boundary so that no ID is split: rows with id < the
-        // first excluded ID. If one ID alone has more rows than the limit,
-        // take all of its rows: progress beats the limit.
-        let first_excluded = ids[limit];
-        let cut = if ids[0] < first_excluded {
-            first_excluded - 1
+    // One snapshot for both reads (any snapshot that sees the token's
+    // commits sees the same rows below it).
+    JsonbDatum(with_row_snapshot(|| {
+        // Each table's first limit+1 IDs are enough to find the global first
+        // limit+1 rows in ID order.
+        let mut ids: Vec<i64> = tables
+            .iter()
+            .flat_map(|t| sql::row_ids(t, &range, limit as i64 + 1))
+            .collect();
+        ids.sort_unstable();
+        let (token, cut, limited) = if ids.len() > limit {
+            // Cut at an ID boundary so that no ID is split: rows with id <
+            // the first excluded ID. If one ID alone has more rows than the
+            // limit, take all of its rows: progress beats the limit.
+            let first_excluded = ids[limit];
+            let cut = if ids[0] < first_excluded {
+                first_excluded - 1
+            } else {
+                first_excluded
+            };
+            (since.advance(&until.bound(cut)), cut, true)
         } else {
-            first_excluded
+            (until.clone(), high, false)
         };
-        (since.advance(&until.bound(cut)), cut, true)
-    } else {
-        (until, high, false)
-    };
-    // The cut token admits exactly the rows with id <= cut of the range.
-    let range = sql::RowRange { high: cut, ..range };
-    JsonbDatum(sql::updates_answer(
-        &tables,
-        &range,
-        &token.to_text(TokenKind::MultiWriter),
-        token.max_stream_pos(),
-        limited,
-    ))
+        // The cut token admits exactly the rows with id <= cut of the range.
+        sql::updates_answer(
+            &tables,
+            &sql::RowRange { high: cut, ..range },
+            &token.to_text(TokenKind::MultiWriter),
+            token.max_stream_pos(),
+            limited,
+        )
+    }))
 }
 
 /// A jsonb value built by PostgreSQL, returned as it is.

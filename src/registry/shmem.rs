@@ -63,6 +63,9 @@ pub(super) struct WorkerSlot {
     /// 0: free; -1: being started; otherwise the worker's pid.
     pub pid: i32,
     pub latch: *mut pg_sys::Latch,
+    /// When a start was asked for (a start that never claims the slot is
+    /// given up after a while).
+    pub starting_since: pg_sys::TimestampTz,
 }
 
 /// What a stream keeps of the finished entries the ring had to let go

@@ -9,6 +9,25 @@ use super::shmem::{Locked, WorkerSlot};
 use crate::error::Error;
 use crate::ffi;
 
+/// A worker asked for that has not claimed its slot after this long (it
+/// failed to start or died at once) no longer counts as starting.
+const START_TIMEOUT_US: i64 = 10_000_000;
+
+fn now() -> pg_sys::TimestampTz {
+    // SAFETY: reads the clock; raises no error.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+/// A slot whose worker is gone: never started within the timeout, or its
+/// process died.
+fn abandoned(w: &WorkerSlot) -> bool {
+    match w.pid {
+        0 => true,
+        -1 => now() - w.starting_since > START_TIMEOUT_US,
+        pid => !alive(pid),
+    }
+}
+
 /// Is process `pid` alive? (A worker slot whose process died is free.)
 fn alive(pid: i32) -> bool {
     // SAFETY: kill with signal 0 only checks for existence.
@@ -32,21 +51,32 @@ pub fn claim_worker_slot(db: pg_sys::Oid) -> Result<bool, Error> {
     }
     match workers.iter_mut().find(|w| w.db == pg_sys::InvalidOid) {
         Some(w) => {
-            *w = WorkerSlot { db, pid: me, latch };
+            *w = WorkerSlot {
+                db,
+                pid: me,
+                latch,
+                starting_since: 0,
+            };
             Ok(true)
         }
         None => Ok(false),
     }
 }
 
+/// Free this worker's slot (any database may use it next). Called on the
+/// worker's exit: raises no error.
 pub fn release_worker_slot(db: pg_sys::Oid) {
     if let Ok(locked) = Locked::acquire(true) {
         // SAFETY: process identity global.
         let me = unsafe { pg_sys::MyProcPid };
         for w in locked.h().workers.iter_mut() {
             if w.db == db && w.pid == me {
-                w.pid = 0;
-                w.latch = ptr::null_mut();
+                *w = WorkerSlot {
+                    db: pg_sys::InvalidOid,
+                    pid: 0,
+                    latch: ptr::null_mut(),
+                    starting_since: 0,
+                };
             }
         }
     }
@@ -69,22 +99,36 @@ pub fn worker_needed(db: pg_sys::Oid) -> bool {
     };
     let workers = &mut locked.h().workers;
     if let Some(w) = workers.iter_mut().find(|w| w.db == db) {
-        if w.pid == -1 || (w.pid > 0 && alive(w.pid)) {
+        if !abandoned(w) {
             return false;
         }
         w.pid = -1;
+        w.starting_since = now();
         return true;
     }
-    match workers.iter_mut().find(|w| w.db == pg_sys::InvalidOid) {
+    // A free slot, or one whose worker is gone (it died without releasing
+    // it, or its database was dropped).
+    let free = workers
+        .iter_mut()
+        .find(|w| w.db == pg_sys::InvalidOid || abandoned(w));
+    match free {
         Some(w) => {
             *w = WorkerSlot {
                 db,
                 pid: -1,
                 latch: ptr::null_mut(),
+                starting_since: now(),
             };
             true
         }
-        None => false,
+        None => {
+            drop(locked);
+            pgrx::warning!(
+                "streampos: every position worker slot is taken ({} databases); writer positions of this database are not stored until one is free",
+                super::shmem::MAX_DATABASES
+            );
+            false
+        }
     }
 }
 

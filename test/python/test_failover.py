@@ -28,7 +28,7 @@ from failover_measure import (
 # position is ahead of anything this server ever allocated (it followed a
 # primary that was lost with commits the new primary never received): the
 # follower must resynchronise, not wait or skip rows.
-RESYNC_SQLSTATE = "SP001"
+RESYNC_SQLSTATE = "72000"
 
 
 @pytest.fixture
