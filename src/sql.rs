@@ -491,6 +491,15 @@ pub fn sequence_settings(oid: pg_sys::Oid) -> Option<(i64, i64)> {
     })
 }
 
+/// A relation's persistence: 'p' permanent, 'u' unlogged, 't' temporary.
+pub fn relation_persistence(oid: pg_sys::Oid) -> Option<String> {
+    select_one(
+        "SELECT c.relpersistence::pg_catalog.text FROM pg_catalog.pg_class c \
+         WHERE c.oid OPERATOR(pg_catalog.=) $1",
+        &[oid.into()],
+    )
+}
+
 /// Move a sequence to `value` (is_called), with the caller's privileges.
 pub fn setval(seq: pg_sys::Oid, value: i64) {
     update_one::<i64>(

@@ -29,10 +29,18 @@ fn check_stream(
     let seq_name = sql::relation_name(meta.seq);
 
     let (increment, cache) = sequence::settings(meta.seq).unwrap_or((0, 0));
+    // An UNLOGGED sequence resets at crash recovery (allocation refuses it).
+    let persistence = match sql::relation_persistence(meta.seq).as_deref() {
+        Some("p") => "",
+        Some("u") => " and is UNLOGGED (it must be permanent)",
+        _ => " and is not permanent (it must be)",
+    };
     rows.push((
         "sequence".to_string(),
-        increment == 1 && cache == 1,
-        format!("{seq_name} has INCREMENT {increment} and CACHE {cache} (both must be 1)"),
+        increment == 1 && cache == 1 && persistence.is_empty(),
+        format!(
+            "{seq_name} has INCREMENT {increment} and CACHE {cache} (both must be 1){persistence}"
+        ),
     ));
 
     let seq_max = sequence::max_allocated(meta.seq);

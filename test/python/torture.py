@@ -27,6 +27,15 @@ Readers sample positions, and the rows at or below them, in several ways:
                 ``instance_pos(token, writer)`` and that writer's rows at or
                 below it (plus the token's minimum and all rows below it,
                 recorded as ``token_min``)
+``cursor``      a server-side cursor (psycopg named cursor, 2 rows a fetch,
+                writers committing and aborting between fetches) over the rows
+                at or below ``frontier()``, with ``frontier()`` in its target
+                list: every row must carry the same frontier (one answer per
+                portal and snapshot), and the sample is what the cursor saw
+``imported``    REPEATABLE READ snapshot exported by one session (which reads
+                ``frontier()``), imported by a second session a few ms later
+                (which reads ``frontier()`` and the rows): the importer must
+                not answer less than the exporter did for the same snapshot
 
 A sample is (position, number of rows seen, sum of their IDs); one in
 eight counts every row, the others only the rows within ``--window`` IDs
@@ -68,7 +77,7 @@ import psycopg
 from psycopg import sql
 
 DEFAULT_INSTANCE_PREFIX = "torture_w"
-MODES = ("rc", "rr", "stmt_filter", "stmt_cte", "token")
+MODES = ("rc", "rr", "stmt_filter", "stmt_cte", "token", "cursor", "imported")
 
 
 # --------------------------------------------------------------- helpers
@@ -238,11 +247,12 @@ def _writer(conninfo, st, stream, table, instance, seed, abort_rate, tolerate):
     finally:
         with st.lock:
             st.writers_alive -= 1
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
+        for c in (conn, importer):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:
+                    pass
 
 
 def _reader(conninfo, st, stream, table, names, reader_ix, seed, tolerate, modes, backwards, window):
@@ -284,7 +294,13 @@ def _reader(conninfo, st, stream, table, names, reader_ix, seed, tolerate, modes
         "LEFT JOIN {t} r ON r.instance_name = w.n AND r.id {le} w.p AND r.id {gt} %s GROUP BY w.n"
     ).format(t=t, le=le, gt=gt)
 
+    q_cursor = sql.SQL(
+        "SELECT id, streampos.frontier(%(s)s) FROM {t} "
+        "WHERE id {gt} %(wbase)s AND id {le} streampos.frontier(%(s)s)"
+    ).format(t=t, le=le, gt=gt)
+
     conn = None
+    importer = None
     seq = 0
     last_front = 0  # internal numbering
     out = []
@@ -298,6 +314,8 @@ def _reader(conninfo, st, stream, table, names, reader_ix, seed, tolerate, modes
 
     try:
         conn = connect(conninfo)
+        if "imported" in modes:
+            importer = connect(conninfo)
         modes = list(modes)
         while not st.stop.is_set():
             rng.shuffle(modes)
@@ -325,6 +343,44 @@ def _reader(conninfo, st, stream, table, names, reader_ix, seed, tolerate, modes
                     elif mode == "stmt_cte":
                         f, c, s = conn.execute(q_cte, {"s": stream, "wbase": wb}).fetchone()
                         add(mode, None, f, c, s)
+                    elif mode == "cursor":
+                        with conn.transaction():
+                            with conn.cursor(name=f"torture_{reader_ix}") as cur:
+                                cur.itersize = 2
+                                cur.execute(q_cursor, {"s": stream, "wbase": wb})
+                                answers, count, total = set(), 0, 0
+                                while True:
+                                    batch = cur.fetchmany(2)
+                                    if not batch:
+                                        break
+                                    for row_id, row_f in batch:
+                                        answers.add(row_f)
+                                        count += 1
+                                        total += row_id
+                                    time.sleep(rng.random() * 0.002)
+                        if len(answers) > 1:
+                            with st.lock:
+                                st.errors.append(f"reader {reader_ix}: one cursor, several frontiers {sorted(answers)}")
+                            st.stop.set()
+                        if not answers:
+                            # No row at or below it: ask the same way for the position.
+                            f = conn.execute("SELECT streampos.frontier(%s)", (stream,)).fetchone()[0]
+                            add(mode, None, f, *conn.execute(q_rows, (f, wb)).fetchone())
+                        else:
+                            f = answers.pop()
+                            add(mode, None, f, count, total)
+                    elif mode == "imported":
+                        with conn.transaction():
+                            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                            snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
+                            exported_f = conn.execute("SELECT streampos.frontier(%s)", (stream,)).fetchone()[0]
+                            add(mode, None, exported_f, *conn.execute(q_rows, (exported_f, wb)).fetchone())
+                            time.sleep(rng.random() * 0.003)
+                            with importer.transaction():
+                                importer.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                                importer.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+                                f = importer.execute("SELECT streampos.frontier(%s)", (stream,)).fetchone()[0]
+                                add(mode, None, f, *importer.execute(q_rows, (f, wb)).fetchone())
                     else:  # token
                         with conn.transaction():
                             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -353,11 +409,12 @@ def _reader(conninfo, st, stream, table, names, reader_ix, seed, tolerate, modes
     finally:
         with st.lock:
             st.samples.extend(out)
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
+        for c in (conn, importer):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:
+                    pass
 
 
 # --------------------------------------------------------------- checks
@@ -365,7 +422,7 @@ def _reader(conninfo, st, stream, table, names, reader_ix, seed, tolerate, modes
 
 def find_regressions(samples):
     """Each reader's samples in order: positions must never go down.
-    Frontier-like samples (rc, rr, stmt_*, token_min) form one sequence per
+    Frontier-like samples (every mode but token) form one sequence per
     reader, each writer's token position another. Returns descriptions."""
     last = {}
     regressions = []
