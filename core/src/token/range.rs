@@ -1,0 +1,78 @@
+//! Whether a row (writer, stream ID) lies between two tokens.
+
+use super::Token;
+
+/// Whether `stream_id`, written by `instance_id`, lies in `low < position <=
+/// high` for that writer. A `None` bound is unbounded; a `None` instance uses
+/// each token's stream position (its minimum).
+pub fn in_range(
+    low: Option<&Token>,
+    high: Option<&Token>,
+    instance_id: Option<i32>,
+    stream_id: i64,
+) -> bool {
+    let pos = |t: &Token| match instance_id {
+        Some(i) => t.instance_pos(i),
+        None => t.stream,
+    };
+    if let Some(l) = low {
+        if stream_id <= pos(l) {
+            return false;
+        }
+    }
+    if let Some(h) = high {
+        if stream_id > pos(h) {
+            return false;
+        }
+    }
+    true
+}
+
+/// Synapse's `_filter_results` for paginating a room: for each non-`None`
+/// bound, a historical bound compares `(topological, stream_id)` tuples — the
+/// event is excluded if `(topo, sid) <= (low.topo, low.stream)`, or if
+/// `(high.topo, high.stream) < (topo, sid)`; a live bound compares
+/// `stream_id` against the writer's position (instance `None` → the token's
+/// stream) as [`in_range`] does.
+pub fn in_range_room(
+    low: Option<&Token>,
+    high: Option<&Token>,
+    instance_id: Option<i32>,
+    topological: i64,
+    stream_id: i64,
+) -> bool {
+    let pos = |t: &Token| match instance_id {
+        Some(i) => t.instance_pos(i),
+        None => t.stream,
+    };
+    let event = (topological, stream_id);
+    if let Some(l) = low {
+        match l.topological {
+            Some(lt) => {
+                if event <= (lt, l.stream) {
+                    return false;
+                }
+            }
+            None => {
+                if stream_id <= pos(l) {
+                    return false;
+                }
+            }
+        }
+    }
+    if let Some(h) = high {
+        match h.topological {
+            Some(ht) => {
+                if (ht, h.stream) < event {
+                    return false;
+                }
+            }
+            None => {
+                if pos(h) < stream_id {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
