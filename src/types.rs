@@ -257,22 +257,6 @@ macro_rules! token_functions {
                 token.0.persisted_after(instance_id, stream_id)
             }
 
-            #[pg_extern(immutable, parallel_safe, name = "in_range")]
-            fn [<$module _in_range>](
-                low: Option<$rust>,
-                high: Option<$rust>,
-                instance_id: Option<i32>,
-                stream_id: Option<i64>,
-            ) -> Option<bool> {
-                let stream_id = stream_id?;
-                Some(streampos_core::token::in_range(
-                    low.as_ref().map(|t| &t.0),
-                    high.as_ref().map(|t| &t.0),
-                    instance_id,
-                    stream_id,
-                ))
-            }
-
             #[pg_extern(immutable, strict, parallel_safe, name = "advance")]
             fn [<$module _advance>](a: $rust, b: $rust) -> $rust {
                 $rust(a.0.advance(&b.0))
@@ -377,7 +361,77 @@ fn topological(token: RoomToken) -> Option<i64> {
     token.0.topological()
 }
 
+// The two 4-argument `in_range` functions keep the Rust names (so the C
+// symbols `…_in_range_wrapper`) that the token_functions! macro gave them in
+// 0.1.0: a 0.1.0 catalog points at those symbols until its upgrade runs.
+
+/// Synapse's multi-writer helpers (`is_stream_position_in_range`,
+/// `make_multiwriter_sharded_token_bounds_sql`) compare a row without an
+/// instance against each token's minimum: pure, so IMMUTABLE.
 #[pg_extern(immutable, parallel_safe, name = "in_range")]
+fn multi_writer_functions_in_range(
+    low: Option<MultiWriterToken>,
+    high: Option<MultiWriterToken>,
+    instance_id: Option<i32>,
+    stream_id: Option<i64>,
+) -> Option<bool> {
+    let stream_id = stream_id?;
+    Some(streampos_core::token::in_range(
+        low.as_ref().map(|t| &t.0),
+        high.as_ref().map(|t| &t.0),
+        instance_id,
+        stream_id,
+    ))
+}
+
+/// The writer Synapse's room helpers (`_filter_results`,
+/// `_filter_results_by_stream`) take a row to be from: its instance, or for a
+/// NULL instance the one named "master" (`None` when there is none: then no
+/// token lists it, and every token's minimum is its position).
+///
+/// Looking the name up reads `streampos.instances`, so the room `in_range`
+/// functions are STABLE, not IMMUTABLE: an instance created later changes
+/// the answer (and an IMMUTABLE function must not read tables at all). They
+/// stay PARALLEL SAFE: a read of a plain table, which parallel workers may
+/// do, through a cache that only memoises (instance ids never change).
+fn room_row_writer(instance_id: Option<i32>) -> Option<i32> {
+    instance_id
+        .or_else(|| crate::catalog::lookup_instance_id(streampos_core::token::UNNAMED_WRITER))
+}
+
+/// [`room_row_writer`], looked up only when a bound is live: historical
+/// bounds and missing ones do not depend on the writer.
+fn room_row_writer_for(
+    low: Option<&Token>,
+    high: Option<&Token>,
+    instance_id: Option<i32>,
+) -> Option<i32> {
+    let live = |t: Option<&Token>| t.is_some_and(|t| !t.is_historical());
+    if live(low) || live(high) {
+        room_row_writer(instance_id)
+    } else {
+        instance_id
+    }
+}
+
+/// Synapse's `_filter_results_by_stream`.
+#[pg_extern(stable, parallel_safe, name = "in_range")]
+fn room_functions_in_range(
+    low: Option<RoomToken>,
+    high: Option<RoomToken>,
+    instance_id: Option<i32>,
+    stream_id: Option<i64>,
+) -> Option<bool> {
+    let stream_id = stream_id?;
+    let (low, high) = (low.as_ref().map(|t| &t.0), high.as_ref().map(|t| &t.0));
+    let writer = room_row_writer_for(low, high, instance_id);
+    Some(streampos_core::token::in_range(
+        low, high, writer, stream_id,
+    ))
+}
+
+/// Synapse's `_filter_results`.
+#[pg_extern(stable, parallel_safe, name = "in_range")]
 fn in_range_room(
     low: Option<RoomToken>,
     high: Option<RoomToken>,
@@ -386,10 +440,12 @@ fn in_range_room(
     stream_id: Option<i64>,
 ) -> Option<bool> {
     let (topological, stream_id) = (topological?, stream_id?);
+    let (low, high) = (low.as_ref().map(|t| &t.0), high.as_ref().map(|t| &t.0));
+    let writer = room_row_writer_for(low, high, instance_id);
     Some(streampos_core::token::in_range_room(
-        low.as_ref().map(|t| &t.0),
-        high.as_ref().map(|t| &t.0),
-        instance_id,
+        low,
+        high,
+        writer,
         topological,
         stream_id,
     ))

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{arb_room, arb_stream, ids, v};
+use common::{arb_room, arb_stream, ids, live_view, v};
 use proptest::prelude::*;
 use streampos_core::token::{Token, TokenKind};
 use TokenKind::Room;
@@ -19,6 +19,10 @@ fn advance_examples() {
         v(6, &[(1, 8), (2, 7), (3, 9)])
     );
     assert_eq!(v(5, &[(1, 8)]).advance(&v(8, &[(2, 9)])), v(8, &[(2, 9)]));
+    // Tokens before-or-equal each other (one live view s5) join to one of
+    // that view: the historical one with the larger topological part.
+    assert_eq!(h(1, 5).advance(&h(2, 5)), h(2, 5));
+    assert_eq!(h(1, 5).advance(&Token::live(5)), Token::live(5));
 }
 
 #[test]
@@ -89,8 +93,10 @@ proptest! {
                 prop_assert_eq!(j.instance_pos(i), p(&a).max(p(&b)));
             }
         }
-        // a <= b causally means the join is b.
-        if a.is_before_or_eq(&b) {
+        // a ≼ b exactly when the join has b's live view; the join is b
+        // itself when b is live.
+        prop_assert_eq!(a.is_before_or_eq(&b), live_view(&j) == live_view(&b));
+        if a.is_before_or_eq(&b) && !b.is_historical() {
             prop_assert_eq!(&j, &b);
         }
     }

@@ -40,6 +40,12 @@ fn in_range_examples() {
     assert!(!in_range(Some(&low), Some(&high), None, 5));
     assert!(in_range(Some(&low), Some(&high), None, 6));
     assert!(!in_range(Some(&low), Some(&high), None, 11));
+    // A historical bound counts as its live view s{stream}.
+    let hist = Token::historical(99, 5);
+    assert!(!in_range(Some(&hist), None, Some(2), 5));
+    assert!(in_range(Some(&hist), None, Some(2), 6));
+    assert!(in_range(None, Some(&hist), None, 5));
+    assert!(!in_range(None, Some(&hist), None, 6));
     // Unbounded.
     assert!(in_range(None, None, None, i64::MIN));
     assert!(in_range(None, Some(&high), Some(2), i64::MIN));

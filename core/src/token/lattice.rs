@@ -1,17 +1,24 @@
 //! The lattice operations: `advance` (least upper bound) and `bound`.
+//!
+//! The causal order is a preorder (see `order.rs`): a least upper bound is
+//! unique only up to tokens with the same live view. `advance` picks one
+//! that is the same whatever the order of its arguments.
 
 use std::cmp::Ordering;
 
 use super::Token;
 
 impl Token {
-    /// Least upper bound in the [`Token::is_before_or_eq`] order (Synapse's
-    /// `copy_and_advance`, extended to historical tokens).
+    /// A least upper bound in the [`Token::is_before_or_eq`] preorder
+    /// (Synapse's `copy_and_advance`, extended to historical tokens, which
+    /// Synapse refuses).
     ///
     /// live ∨ live = componentwise maximum (entries not above the new
-    /// minimum dropped); historical ∨ historical = `t{max topo}-{max stream}`;
+    /// minimum dropped); historical ∨ historical = `t{max topo}-{max stream}`
+    /// (its live view `s{max stream}` is the join of the two live views);
     /// historical ∨ live = the live token with every component raised to at
-    /// least the historical token's stream.
+    /// least the historical token's stream. Commutative, associative,
+    /// idempotent; `a ≼ b` exactly when `advance(a, b)` has `b`'s live view.
     pub fn advance(&self, other: &Token) -> Token {
         match (self.topological, other.topological) {
             (Some(a), Some(b)) => Token::historical(a.max(b), self.stream.max(other.stream)),
@@ -21,7 +28,8 @@ impl Token {
 
     /// Synapse's `bound_stream_token`: every component capped at
     /// `max_stream`; entries that fall to the minimum are dropped; the
-    /// topological part is kept. Never raises a component.
+    /// topological part is kept (Synapse refuses historical tokens). Never
+    /// raises a component.
     pub fn bound(&self, max_stream: i64) -> Token {
         let stream = self.stream.min(max_stream);
         let instances = self

@@ -50,7 +50,7 @@ mod storage;
 mod text;
 mod wire;
 
-pub use range::{in_range, in_range_room};
+pub use range::{in_range, in_range_room, UNNAMED_WRITER};
 
 /// Which of the two SQL token types a text, storage or wire form belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

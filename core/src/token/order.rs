@@ -1,87 +1,108 @@
-//! The causal partial order of tokens (`is_before_or_eq`) and the total
+//! The causal order of tokens (`is_before_or_eq`, Synapse's) and the total
 //! order (`Ord`) that extends it.
+//!
+//! # The causal order is Synapse's, and only a preorder
+//!
+//! Synapse's `AbstractMultiWriterStreamToken.is_before_or_eq` compares the
+//! `stream` parts and the instance maps, and nothing else: a historical
+//! room token's topological part is ignored (`t6-3` is before-or-equal
+//! `t5-6`, and `t1-5`, `t9-5` and `s5` are each before-or-equal the others).
+//! So every token `a` has a *live view* `L(a)`: `a` itself when live, `s{stream}`
+//! when historical, and
+//!
+//! > `a ≼ b` ⇔ `L(a) ≤ L(b)` writer by writer (the position of writer `i` is
+//! > its listed position, else `stream`; every writer counts, so the minimums
+//! > compare too).
+//!
+//! Writer-by-writer `≤` on live tokens is a partial order: two live tokens
+//! with the same position for every writer have the same minimum (a listed
+//! position is above the minimum, and some writer is unlisted in both) and
+//! the same list, so they are equal. On all tokens `≼` is a *preorder*
+//! (reflexive, transitive), not antisymmetric: `a ≼ b ≼ a` exactly when
+//! `L(a) = L(b)`, which for distinct tokens means `s{n}` and historical
+//! tokens `t{x}-{n}` with the same `n`.
 
 use std::cmp::Ordering;
 
 use super::Token;
 
 impl Token {
-    /// Causal partial order: every component of `self` is <= `other`'s.
-    ///
-    /// A live token counts as topological = +infinity, so: (historical a,
-    /// live b): `a.stream <= b.stream`; (live a, historical b): false;
-    /// (historical, historical): `a.topo <= b.topo && a.stream <= b.stream`;
-    /// (live, live): `a.pos(i) <= b.pos(i)` for every instance `i` (which
-    /// includes `a.stream <= b.stream`).
+    /// Synapse's `is_before_or_eq`: every writer's position in `self` is at
+    /// most its position in `other`, a historical token counting as its live
+    /// view `s{stream}` (the topological part is ignored, see the module
+    /// docs). A preorder: distinct tokens can be before-or-equal each other.
     pub fn is_before_or_eq(&self, other: &Token) -> bool {
-        match (self.topological, other.topological) {
-            (Some(a), Some(b)) => a <= b && self.stream <= other.stream,
-            (Some(_), None) => self.stream <= other.stream,
-            (None, Some(_)) => false,
-            (None, None) => {
-                if self.stream > other.stream {
-                    return false;
+        if self.stream > other.stream {
+            return false;
+        }
+        // Historical tokens list no instances, so this is their live view.
+        // Instances listed only in `other` are fine: self's position there is
+        // self.stream <= other.stream < theirs.
+        let mut rest = other.instances.as_slice();
+        for &(id, pos) in &self.instances {
+            while let Some((&(oid, _), tail)) = rest.split_first() {
+                if oid < id {
+                    rest = tail;
+                } else {
+                    break;
                 }
-                // Instances listed only in `other` are at most fine: self's
-                // position there is self.stream <= other.stream < theirs.
-                let mut rest = other.instances.as_slice();
-                for &(id, pos) in &self.instances {
-                    while let Some((&(oid, _), tail)) = rest.split_first() {
-                        if oid < id {
-                            rest = tail;
-                        } else {
-                            break;
-                        }
-                    }
-                    let theirs = match rest.first() {
-                        Some(&(oid, opos)) if oid == id => opos,
-                        _ => other.stream,
-                    };
-                    if pos > theirs {
-                        return false;
-                    }
-                }
-                true
+            }
+            let theirs = match rest.first() {
+                Some(&(oid, opos)) if oid == id => opos,
+                _ => other.stream,
+            };
+            if pos > theirs {
+                return false;
             }
         }
+        true
     }
 }
 
-/// The total order on tokens, which extends [`Token::is_before_or_eq`] and
-/// is consistent with `Eq`.
+/// The total order on tokens: a linear extension of Synapse's
+/// [`Token::is_before_or_eq`], consistent with `Eq`.
 ///
 /// The key is, lexicographically:
-/// 1. the topological part, with live tokens counting as +infinity (so every
-///    historical token sorts before every live one);
-/// 2. the stream position (the minimum);
-/// 3. the sum over listed entries of `pos - stream`, as `i128` (the total
+/// 1. the stream position (the minimum);
+/// 2. the sum over listed entries of `pos - stream`, as `i128` (the total
 ///    "excess" of the writers ahead of the minimum);
-/// 4. the instances slice, lexicographically.
+/// 3. the instances slice, lexicographically;
+/// 4. the topological part, a live token counting as +infinity (so among
+///    the tokens with the live view `s{n}`: `t{x}-{n}` by `x`, then `s{n}`).
 ///
-/// *Proof sketch that it extends the causal order.* Suppose
-/// `a.is_before_or_eq(b)`. If `a` is historical and `b` live, `a` sorts
-/// first by (1). If both are historical, `a.topo <= b.topo` and
-/// `a.stream <= b.stream`, and both have excess 0 and no instances, so
-/// `a <= b`. (`a` live and `b` historical never happens.) If both are live,
-/// (1) ties and `a.stream <= b.stream`; when the streams are equal, every
-/// writer's excess `pos(i) - stream` in `a` is at most that in `b` (unlisted
-/// writers have excess 0), so the sum in `a` is at most the sum in `b`, with
-/// equality only when every excess is equal, i.e. when `a == b`.
+/// Parts 1–3 are the key of the live view `L(a)` (a historical token has
+/// excess 0 and no instances, as `s{stream}` has).
 ///
-/// *Total and consistent with `Eq`:* the key contains every field of the
-/// token (3 is a function of 2 and 4), so equal keys mean equal tokens, and
-/// lexicographic comparison of totally ordered parts is a total order.
+/// *It extends the causal order strictly:* if `a ≼ b` and not `b ≼ a`, then
+/// `L(a) ≤ L(b)` writer by writer and `L(a) ≠ L(b)`. Either
+/// `L(a).stream < L(b).stream`, and part 1 decides `a < b`; or the minimums
+/// are equal, and then every writer's excess `pos(i) - stream` in `L(a)` is at
+/// most that in `L(b)` (unlisted writers have excess 0), and not all are
+/// equal (else `L(a) = L(b)`), so the sum in part 2 is strictly smaller:
+/// `a < b`. (Tokens with `a ≼ b ≼ a` share parts 1–3 and are ordered by part 4,
+/// which is arbitrary but fixed.)
+///
+/// *Total and consistent with `Eq`:* the key determines the token — parts
+/// 1–3 give the live view; part 4 says whether the token is that live view
+/// (+infinity) or the historical token `t{x}-{stream}` — so equal keys mean
+/// equal tokens; lexicographic comparison of totally ordered parts is a
+/// total order.
+///
+/// For live tokens (every multi-writer token) this is the order of 0.1.0;
+/// only historical tokens moved (0.1.0 sorted them first, by (topological,
+/// stream)).
 impl Ord for Token {
     fn cmp(&self, other: &Self) -> Ordering {
-        let topo = match (self.topological, other.topological) {
-            (Some(a), Some(b)) => a.cmp(&b),
-            (Some(_), None) => Ordering::Less,
-            (None, Some(_)) => Ordering::Greater,
-            (None, None) => Ordering::Equal,
-        };
-        topo.then(self.stream.cmp(&other.stream))
+        self.stream
+            .cmp(&other.stream)
             .then_with(|| excess(self).cmp(&excess(other)))
             .then_with(|| self.instances.cmp(&other.instances))
+            .then_with(|| match (self.topological, other.topological) {
+                (Some(a), Some(b)) => a.cmp(&b),
+                (Some(_), None) => Ordering::Less,
+                (None, Some(_)) => Ordering::Greater,
+                (None, None) => Ordering::Equal,
+            })
     }
 }
 

@@ -80,17 +80,31 @@ pub fn ids(ts: &[&Token]) -> Vec<i32> {
     v
 }
 
-/// Independent model of the causal order, over every relevant ID.
+/// Independent model of the causal order: Synapse's
+/// `AbstractMultiWriterStreamToken.is_before_or_eq`, transcribed (the
+/// streams compare, then every instance listed in either token; the
+/// topological part plays no role).
 pub fn model_le(a: &Token, b: &Token) -> bool {
-    match (a.topological(), b.topological()) {
-        (Some(x), Some(y)) => x <= y && a.stream() <= b.stream(),
-        (Some(_), None) => a.stream() <= b.stream(),
-        (None, Some(_)) => false,
-        (None, None) => {
-            a.stream() <= b.stream()
-                && ids(&[a, b])
-                    .into_iter()
-                    .all(|i| a.instance_pos(i) <= b.instance_pos(i))
-        }
+    if a.stream() > b.stream() {
+        return false;
+    }
+    let listed = |t: &Token, i: i32| {
+        t.instances()
+            .iter()
+            .find(|e| e.0 == i)
+            .map_or(t.stream(), |e| e.1)
+    };
+    ids(&[a, b])
+        .into_iter()
+        .all(|i| listed(a, i) <= listed(b, i))
+}
+
+/// `s{stream}` for a historical token, the token itself for a live one: what
+/// the causal order sees of it.
+pub fn live_view(t: &Token) -> Token {
+    if t.is_historical() {
+        Token::live(t.stream())
+    } else {
+        t.clone()
     }
 }
