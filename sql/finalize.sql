@@ -220,7 +220,7 @@ COMMENT ON FUNCTION instance_pos(multi_writer_token, integer) IS 'The position o
 COMMENT ON FUNCTION instance_pos(room_stream_token, text) IS 'The position of one writer, by instance name';
 COMMENT ON FUNCTION instance_pos(multi_writer_token, text) IS 'The position of one writer, by instance name';
 COMMENT ON FUNCTION is_before_or_eq(room_stream_token, room_stream_token) IS
-    'Causal order: every component of a is <= b''s (a live token counts as topological +infinity)';
+    'Synapse''s causal order: every writer''s position in a is <= its position in b; a historical token counts as s{stream}';
 COMMENT ON FUNCTION is_before_or_eq(multi_writer_token, multi_writer_token) IS
     'Causal order: every writer''s position in a is <= its position in b';
 COMMENT ON FUNCTION persisted_after(room_stream_token, integer, bigint) IS
@@ -230,9 +230,9 @@ COMMENT ON FUNCTION persisted_after(multi_writer_token, integer, bigint) IS
 COMMENT ON FUNCTION in_range(multi_writer_token, multi_writer_token, integer, bigint) IS
     'low < position <= high for that writer; NULL bounds are unbounded, NULL instance uses the minimum';
 COMMENT ON FUNCTION in_range(room_stream_token, room_stream_token, integer, bigint) IS
-    'low < position <= high for that writer; NULL bounds are unbounded, NULL instance uses the minimum';
+    'low < position <= high for that writer; NULL bounds are unbounded, NULL instance is master (Synapse _filter_results_by_stream)';
 COMMENT ON FUNCTION in_range(room_stream_token, room_stream_token, integer, bigint, bigint) IS
-    'For room pagination: historical bounds compare (topological, stream), live bounds the writer position';
+    'Room pagination (Synapse _filter_results): historical bounds compare (topological, stream), live ones the writer position; NULL instance is master';
 COMMENT ON FUNCTION advance(room_stream_token, room_stream_token) IS 'Least upper bound (Synapse copy_and_advance)';
 COMMENT ON FUNCTION advance(multi_writer_token, multi_writer_token) IS 'Least upper bound (Synapse copy_and_advance)';
 COMMENT ON AGGREGATE advance(room_stream_token) IS 'Least upper bound of all tokens';

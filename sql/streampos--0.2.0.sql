@@ -220,9 +220,9 @@ CREATE  FUNCTION "in_range"(
 	"topological" bigint, /* Option < i64 > */
 	"stream_id" bigint /* Option < i64 > */
 ) RETURNS bool /* Option < bool > */
-IMMUTABLE PARALLEL SAFE 
+STABLE PARALLEL RESTRICTED 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'in_range_room_wrapper';
+AS 'MODULE_PATHNAME', 'in_range_room_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -244,9 +244,13 @@ CREATE  FUNCTION "in_range"(
 	"instance_id" INT, /* Option < i32 > */
 	"stream_id" bigint /* Option < i64 > */
 ) RETURNS bool /* Option < bool > */
-IMMUTABLE PARALLEL SAFE 
+STABLE PARALLEL RESTRICTED 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_in_range_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_in_range_v2_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -324,7 +328,7 @@ CREATE  FUNCTION "is_before_or_eq"(
 ) RETURNS bool /* bool */
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_is_before_or_eq_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_is_before_or_eq_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -564,13 +568,41 @@ AS 'MODULE_PATHNAME', 'room_functions_persisted_after_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_cmp"(
 	"a" room_stream_token, /* RoomToken */
 	"b" room_stream_token /* RoomToken */
 ) RETURNS INT /* i32 */
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_cmp_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_cmp_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -590,7 +622,7 @@ CREATE  FUNCTION "room_stream_token_ge"(
 ) RETURNS bool /* bool */
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_ge_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_ge_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -600,7 +632,7 @@ CREATE  FUNCTION "room_stream_token_gt"(
 ) RETURNS bool /* bool */
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_gt_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_gt_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -638,7 +670,7 @@ CREATE  FUNCTION "room_stream_token_le"(
 ) RETURNS bool /* bool */
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_le_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_le_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -648,7 +680,7 @@ CREATE  FUNCTION "room_stream_token_lt"(
 ) RETURNS bool /* bool */
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'room_functions_lt_wrapper';
+AS 'MODULE_PATHNAME', 'room_functions_lt_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -1011,7 +1043,7 @@ COMMENT ON FUNCTION instance_pos(multi_writer_token, integer) IS 'The position o
 COMMENT ON FUNCTION instance_pos(room_stream_token, text) IS 'The position of one writer, by instance name';
 COMMENT ON FUNCTION instance_pos(multi_writer_token, text) IS 'The position of one writer, by instance name';
 COMMENT ON FUNCTION is_before_or_eq(room_stream_token, room_stream_token) IS
-    'Causal order: every component of a is <= b''s (a live token counts as topological +infinity)';
+    'Synapse''s causal order: every writer''s position in a is <= its position in b; a historical token counts as s{stream}';
 COMMENT ON FUNCTION is_before_or_eq(multi_writer_token, multi_writer_token) IS
     'Causal order: every writer''s position in a is <= its position in b';
 COMMENT ON FUNCTION persisted_after(room_stream_token, integer, bigint) IS
@@ -1021,9 +1053,9 @@ COMMENT ON FUNCTION persisted_after(multi_writer_token, integer, bigint) IS
 COMMENT ON FUNCTION in_range(multi_writer_token, multi_writer_token, integer, bigint) IS
     'low < position <= high for that writer; NULL bounds are unbounded, NULL instance uses the minimum';
 COMMENT ON FUNCTION in_range(room_stream_token, room_stream_token, integer, bigint) IS
-    'low < position <= high for that writer; NULL bounds are unbounded, NULL instance uses the minimum';
+    'low < position <= high for that writer; NULL bounds are unbounded, NULL instance is master (Synapse _filter_results_by_stream)';
 COMMENT ON FUNCTION in_range(room_stream_token, room_stream_token, integer, bigint, bigint) IS
-    'For room pagination: historical bounds compare (topological, stream), live bounds the writer position';
+    'Room pagination (Synapse _filter_results): historical bounds compare (topological, stream), live ones the writer position; NULL instance is master';
 COMMENT ON FUNCTION advance(room_stream_token, room_stream_token) IS 'Least upper bound (Synapse copy_and_advance)';
 COMMENT ON FUNCTION advance(multi_writer_token, multi_writer_token) IS 'Least upper bound (Synapse copy_and_advance)';
 COMMENT ON AGGREGATE advance(room_stream_token) IS 'Least upper bound of all tokens';

@@ -16,10 +16,23 @@ struct SequenceData {
     is_called: bool,
 }
 
-/// Open `seq`, check that it is a permanent sequence, and run `f` on its
-/// first page with the buffer share-locked. Errors are PostgreSQL ERRORs
-/// (a dropped relation) or ours (not a sequence, not permanent).
-fn with_page<T>(seq: pg_sys::Oid, f: impl FnOnce(*const pg_sys::PageHeaderData) -> T) -> T {
+/// What a sequence must be for `with_page`.
+#[derive(Clone, Copy, PartialEq)]
+enum Need {
+    /// To hand out IDs: permanent (an UNLOGGED one resets at crash recovery).
+    Permanent,
+    /// To read its state: in shared buffers (not another session's TEMP).
+    Readable,
+}
+
+/// Open `seq`, check that it is a sequence as `need` says, and run `f` on
+/// its first page with the buffer share-locked. Errors are PostgreSQL
+/// ERRORs (a dropped relation) or ours (not a sequence, not permanent).
+fn with_page<T>(
+    seq: pg_sys::Oid,
+    need: Need,
+    f: impl FnOnce(*const pg_sys::PageHeaderData) -> T,
+) -> T {
     // SAFETY: the relation is opened and locked for the duration; block 0
     // of a sequence always exists; the buffer is pinned and share-locked
     // while `f` reads its page; PostgreSQL errors cross the guarded
@@ -30,7 +43,11 @@ fn with_page<T>(seq: pg_sys::Oid, f: impl FnOnce(*const pg_sys::PageHeaderData) 
             let rel = pg_sys::relation_open(seq, lock);
             let kind = (*(*rel).rd_rel).relkind as u8;
             let persistence = (*(*rel).rd_rel).relpersistence as u8;
-            if kind != pg_sys::RELKIND_SEQUENCE || persistence != pg_sys::RELPERSISTENCE_PERMANENT {
+            let usable = match need {
+                Need::Permanent => persistence == pg_sys::RELPERSISTENCE_PERMANENT,
+                Need::Readable => persistence != pg_sys::RELPERSISTENCE_TEMP,
+            };
+            if kind != pg_sys::RELKIND_SEQUENCE || !usable {
                 pg_sys::relation_close(rel, lock);
                 return (kind, persistence, None);
             }
@@ -61,7 +78,7 @@ fn with_page<T>(seq: pg_sys::Oid, f: impl FnOnce(*const pg_sys::PageHeaderData) 
 /// (an UNLOGGED sequence resets at crash recovery and would hand out its IDs
 /// again; a TEMP one is another session's).
 pub fn check_usable(seq: pg_sys::Oid) {
-    with_page(seq, |_| ());
+    with_page(seq, Need::Permanent, |_| ());
 }
 
 /// Refuse an allocation the caller may not make: `nextval` needs USAGE or
@@ -98,7 +115,7 @@ pub fn next_values(seq: pg_sys::Oid, n: i32) -> (Vec<i64>, u64) {
             pg_sys::ffi::pg_guard_ffi_boundary(|| ffi::nextval_internal(seq, false))
         });
     }
-    let lsn = with_page(seq, |page| {
+    let lsn = with_page(seq, Need::Permanent, |page| {
         // SAFETY: `page` is the share-locked first page of the sequence.
         let lsn = unsafe { (*page).pd_lsn };
         (lsn.xlogid as u64) << 32 | lsn.xrecoff as u64
@@ -109,7 +126,7 @@ pub fn next_values(seq: pg_sys::Oid, n: i32) -> (Vec<i64>, u64) {
 /// The highest value the sequence has handed out (internal numbering):
 /// `last_value`, or one less while `is_called` is false (not handed out).
 pub fn max_allocated(seq: pg_sys::Oid) -> i64 {
-    let (last, called) = with_page(seq, |page| {
+    let (last, called) = with_page(seq, Need::Readable, |page| {
         // SAFETY: a sequence page holds exactly one tuple, at the first line
         // pointer; its data starts at t_hoff and is a SequenceData. The page
         // is share-locked while it is read.

@@ -197,7 +197,8 @@ fn construct(
 macro_rules! token_functions {
     ($module:ident, $rust:ident, $kind:expr, [$in:literal, $out:literal, $recv:literal, $send:literal,
      $cmp:literal, $lt:literal, $le:literal, $eq:literal, $ne:literal, $ge:literal, $gt:literal,
-     $hash:literal, $hash_extended:literal]) => {
+     $hash:literal, $hash_extended:literal],
+     order: [$before_fn:ident, $cmp_fn:ident, $lt_fn:ident, $le_fn:ident, $ge_fn:ident, $gt_fn:ident]) => {
         paste::paste! {
 
             #[pg_extern(immutable, strict, parallel_safe, name = $in)]
@@ -243,29 +244,13 @@ macro_rules! token_functions {
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = "is_before_or_eq")]
-            fn [<$module _is_before_or_eq>](a: $rust, b: $rust) -> bool {
+            fn $before_fn(a: $rust, b: $rust) -> bool {
                 a.0.is_before_or_eq(&b.0)
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = "persisted_after")]
             fn [<$module _persisted_after>](token: $rust, instance_id: i32, stream_id: i64) -> bool {
                 token.0.persisted_after(instance_id, stream_id)
-            }
-
-            #[pg_extern(immutable, parallel_safe, name = "in_range")]
-            fn [<$module _in_range>](
-                low: Option<$rust>,
-                high: Option<$rust>,
-                instance_id: Option<i32>,
-                stream_id: Option<i64>,
-            ) -> Option<bool> {
-                let stream_id = stream_id?;
-                Some(streampos_core::token::in_range(
-                    low.as_ref().map(|t| &t.0),
-                    high.as_ref().map(|t| &t.0),
-                    instance_id,
-                    stream_id,
-                ))
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = "advance")]
@@ -279,17 +264,17 @@ macro_rules! token_functions {
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = $cmp)]
-            fn [<$module _cmp>](a: $rust, b: $rust) -> i32 {
+            fn $cmp_fn(a: $rust, b: $rust) -> i32 {
                 a.0.cmp(&b.0) as i32
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = $lt)]
-            fn [<$module _lt>](a: $rust, b: $rust) -> bool {
+            fn $lt_fn(a: $rust, b: $rust) -> bool {
                 a.0 < b.0
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = $le)]
-            fn [<$module _le>](a: $rust, b: $rust) -> bool {
+            fn $le_fn(a: $rust, b: $rust) -> bool {
                 a.0 <= b.0
             }
 
@@ -304,12 +289,12 @@ macro_rules! token_functions {
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = $ge)]
-            fn [<$module _ge>](a: $rust, b: $rust) -> bool {
+            fn $ge_fn(a: $rust, b: $rust) -> bool {
                 a.0 >= b.0
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = $gt)]
-            fn [<$module _gt>](a: $rust, b: $rust) -> bool {
+            fn $gt_fn(a: $rust, b: $rust) -> bool {
                 a.0 > b.0
             }
 
@@ -344,6 +329,16 @@ token_functions!(
         "room_stream_token_gt",
         "room_stream_token_hash",
         "room_stream_token_hash_extended"
+    ],
+    // 0.2.0's order (Synapse's is_before_or_eq) under new C symbols; the
+    // 0.1.0 symbols keep 0.1.0's order (see `legacy_room_order` below).
+    order: [
+        room_functions_is_before_or_eq_v2,
+        room_functions_cmp_v2,
+        room_functions_lt_v2,
+        room_functions_le_v2,
+        room_functions_ge_v2,
+        room_functions_gt_v2
     ]
 );
 token_functions!(
@@ -364,6 +359,15 @@ token_functions!(
         "multi_writer_token_gt",
         "multi_writer_token_hash",
         "multi_writer_token_hash_extended"
+    ],
+    // Unchanged since 0.1.0 (live tokens kept their order): 0.1.0 symbols.
+    order: [
+        multi_writer_functions_is_before_or_eq,
+        multi_writer_functions_cmp,
+        multi_writer_functions_lt,
+        multi_writer_functions_le,
+        multi_writer_functions_ge,
+        multi_writer_functions_gt
     ]
 );
 
@@ -372,8 +376,78 @@ fn topological(token: RoomToken) -> Option<i64> {
     token.0.topological()
 }
 
+// The multi-writer `in_range` keeps its 0.1.0 C symbol (its answers did not
+// change); the room forms answer as Synapse does under new symbols (`_v2`),
+// and the 0.1.0 symbols keep 0.1.0's answers (`legacy_room_order` below).
+
+/// Synapse's multi-writer helpers (`is_stream_position_in_range`,
+/// `make_multiwriter_sharded_token_bounds_sql`) compare a row without an
+/// instance against each token's minimum: pure, so IMMUTABLE.
 #[pg_extern(immutable, parallel_safe, name = "in_range")]
-fn in_range_room(
+fn multi_writer_functions_in_range(
+    low: Option<MultiWriterToken>,
+    high: Option<MultiWriterToken>,
+    instance_id: Option<i32>,
+    stream_id: Option<i64>,
+) -> Option<bool> {
+    let stream_id = stream_id?;
+    Some(streampos_core::token::in_range(
+        low.as_ref().map(|t| &t.0),
+        high.as_ref().map(|t| &t.0),
+        instance_id,
+        stream_id,
+    ))
+}
+
+/// The writer Synapse's room helpers (`_filter_results`,
+/// `_filter_results_by_stream`) take a row to be from: its instance, or for a
+/// NULL instance the one named "master" (`None` when there is none: then no
+/// token lists it, and every token's minimum is its position).
+///
+/// Looking the name up reads `streampos.instances`, so the room `in_range`
+/// functions are STABLE, not IMMUTABLE: an instance created later changes
+/// the answer (and an IMMUTABLE function must not read tables at all). They
+/// are PARALLEL RESTRICTED: the lookup runs internal SQL with a pinned
+/// search_path, which a parallel worker may not set.
+fn room_row_writer(instance_id: Option<i32>) -> Option<i32> {
+    instance_id
+        .or_else(|| crate::catalog::lookup_instance_id(streampos_core::token::UNNAMED_WRITER))
+}
+
+/// [`room_row_writer`], looked up only when a bound is live: historical
+/// bounds and missing ones do not depend on the writer.
+fn room_row_writer_for(
+    low: Option<&Token>,
+    high: Option<&Token>,
+    instance_id: Option<i32>,
+) -> Option<i32> {
+    let live = |t: Option<&Token>| t.is_some_and(|t| !t.is_historical());
+    if live(low) || live(high) {
+        room_row_writer(instance_id)
+    } else {
+        instance_id
+    }
+}
+
+/// Synapse's `_filter_results_by_stream`.
+#[pg_extern(stable, parallel_restricted, name = "in_range")]
+fn room_functions_in_range_v2(
+    low: Option<RoomToken>,
+    high: Option<RoomToken>,
+    instance_id: Option<i32>,
+    stream_id: Option<i64>,
+) -> Option<bool> {
+    let stream_id = stream_id?;
+    let (low, high) = (low.as_ref().map(|t| &t.0), high.as_ref().map(|t| &t.0));
+    let writer = room_row_writer_for(low, high, instance_id);
+    Some(streampos_core::token::in_range(
+        low, high, writer, stream_id,
+    ))
+}
+
+/// Synapse's `_filter_results`.
+#[pg_extern(stable, parallel_restricted, name = "in_range")]
+fn in_range_room_v2(
     low: Option<RoomToken>,
     high: Option<RoomToken>,
     instance_id: Option<i32>,
@@ -381,10 +455,12 @@ fn in_range_room(
     stream_id: Option<i64>,
 ) -> Option<bool> {
     let (topological, stream_id) = (topological?, stream_id?);
+    let (low, high) = (low.as_ref().map(|t| &t.0), high.as_ref().map(|t| &t.0));
+    let writer = room_row_writer_for(low, high, instance_id);
     Some(streampos_core::token::in_range_room(
-        low.as_ref().map(|t| &t.0),
-        high.as_ref().map(|t| &t.0),
-        instance_id,
+        low,
+        high,
+        writer,
         topological,
         stream_id,
     ))
@@ -438,4 +514,80 @@ fn room_to_multi_writer_token(token: RoomToken) -> MultiWriterToken {
 #[pg_extern(immutable, strict, parallel_safe)]
 fn multi_writer_to_room_token(token: MultiWriterToken) -> RoomToken {
     RoomToken(token.0)
+}
+
+/// The room-token functions of 0.1.0 under their 0.1.0 C symbols, with
+/// 0.1.0's answers: a database still at 0.1.0 that runs this library keeps
+/// the order its indexes were built in, until `ALTER EXTENSION streampos
+/// UPDATE` points the SQL functions at the `_v2` symbols and rebuilds those
+/// indexes. No SQL is generated for them (`sql = false`).
+mod legacy_room_order {
+    use super::RoomToken;
+    use pgrx::prelude::*;
+    use std::cmp::Ordering;
+    use streampos_core::token::legacy;
+
+    #[pg_extern(immutable, strict, parallel_safe, sql = false)]
+    fn room_functions_is_before_or_eq(a: RoomToken, b: RoomToken) -> bool {
+        legacy::is_before_or_eq(&a.0, &b.0)
+    }
+
+    #[pg_extern(immutable, strict, parallel_safe, sql = false)]
+    fn room_functions_cmp(a: RoomToken, b: RoomToken) -> i32 {
+        legacy::cmp(&a.0, &b.0) as i32
+    }
+
+    #[pg_extern(immutable, strict, parallel_safe, sql = false)]
+    fn room_functions_lt(a: RoomToken, b: RoomToken) -> bool {
+        legacy::cmp(&a.0, &b.0) == Ordering::Less
+    }
+
+    #[pg_extern(immutable, strict, parallel_safe, sql = false)]
+    fn room_functions_le(a: RoomToken, b: RoomToken) -> bool {
+        legacy::cmp(&a.0, &b.0) != Ordering::Greater
+    }
+
+    #[pg_extern(immutable, strict, parallel_safe, sql = false)]
+    fn room_functions_ge(a: RoomToken, b: RoomToken) -> bool {
+        legacy::cmp(&a.0, &b.0) != Ordering::Less
+    }
+
+    #[pg_extern(immutable, strict, parallel_safe, sql = false)]
+    fn room_functions_gt(a: RoomToken, b: RoomToken) -> bool {
+        legacy::cmp(&a.0, &b.0) == Ordering::Greater
+    }
+
+    /// 0.1.0: a NULL instance uses each token's minimum.
+    #[pg_extern(immutable, parallel_safe, sql = false)]
+    fn room_functions_in_range(
+        low: Option<RoomToken>,
+        high: Option<RoomToken>,
+        instance_id: Option<i32>,
+        stream_id: Option<i64>,
+    ) -> Option<bool> {
+        Some(streampos_core::token::in_range(
+            low.as_ref().map(|t| &t.0),
+            high.as_ref().map(|t| &t.0),
+            instance_id,
+            stream_id?,
+        ))
+    }
+
+    /// 0.1.0: a NULL instance uses each live bound's minimum.
+    #[pg_extern(immutable, parallel_safe, sql = false)]
+    fn in_range_room(
+        low: Option<RoomToken>,
+        high: Option<RoomToken>,
+        instance_id: Option<i32>,
+        topological: Option<i64>,
+        stream_id: Option<i64>,
+    ) -> Option<bool> {
+        Some(streampos_core::token::in_range_room(
+            low.as_ref().map(|t| &t.0),
+            high.as_ref().map(|t| &t.0),
+            instance_id,
+            topological?,
+            stream_id?,
+        ))
+    }
 }

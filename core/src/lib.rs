@@ -6,5 +6,7 @@
 //!   operations (`advance`, `bound`).
 //! - [`frontier`]: positions from a set of in-flight allocations.
 
+#![forbid(unsafe_code)]
+
 pub mod frontier;
 pub mod token;

@@ -2,12 +2,13 @@
 -- tokens_ops: functions, operators, aggregates, operator classes and index
 -- support of streampos.room_stream_token and streampos.multi_writer_token.
 --
--- The contract is SPEC.md "Token types" and the docs of core/src/token.rs:
--- the causal order is_before_or_eq (a live token counts as topological =
--- +infinity), advance = least upper bound in that order, bound never raises a
+-- The contract is SPEC.md "Token types" and the docs of core/src/token/:
+-- the causal order is_before_or_eq is Synapse's (writer by writer, a
+-- historical token counting as s{stream}: its topological part is ignored),
+-- advance = a least upper bound in that order, bound never raises a
 -- component, and a total order (<, <=, ...) that extends is_before_or_eq:
---   key = (topological, live tokens as +infinity; stream; sum of
---          (pos - stream) over listed entries; listed entries lexicographically)
+--   key = (stream; sum of (pos - stream) over listed entries; listed entries
+--          lexicographically; topological, live tokens as +infinity)
 -- with btree and hash operator classes so tokens sort, index, group and join.
 --
 -- (quietly: the other test files may have created it already)
@@ -60,21 +61,28 @@ SELECT instance_pos('5'::multi_writer_token, 'no_such_writer');
 
 ---------------------------------------------------------------------------
 -- 3. is_before_or_eq: the causal order, with the expected value spelled out
---    per row (token.rs: historical vs historical compares both parts; a
---    historical a is before a live b iff a.stream <= b.stream; a live a is
---    never before a historical b; live vs live compares every writer).
+--    per row. Synapse's: every writer's position in a is <= its position in
+--    b, a historical token counting as s{stream} (its topological part is
+--    ignored), so distinct tokens can be before-or-equal each other.
 ---------------------------------------------------------------------------
 SELECT a, b, is_before_or_eq(a, b) AS got, expected,
        is_before_or_eq(a, b) = expected AS ok
 FROM (VALUES
     ('t1-5'::room_stream_token, 't2-6'::room_stream_token, true),
     ('t1-5', 't1-5', true),
-    ('t2-5', 't1-6', false),            -- topological greater
+    ('t2-5', 't1-6', true),             -- topological part ignored
+    ('t6-3', 't5-6', true),
     ('t1-6', 't2-5', false),            -- stream greater
-    ('t3-5', 's5', true),               -- historical before live: streams
+    ('t1-5', 't2-5', true),             -- before-or-equal each other
+    ('t2-5', 't1-5', true),
+    ('t3-5', 's5', true),               -- historical vs live: as s{stream}
+    ('s5', 't3-5', true),
     ('t3-6', 's5', false),
     ('t9-5', 'm4~1.9', false),          -- b's minimum 4 < 5, despite writer 1
-    ('s5', 't100-100', false),          -- live is never before historical
+    ('s5', 't100-100', true),
+    ('s2', 't0-2', true),
+    ('m5~1.9', 't0-9', true),           -- every writer of a at most 9
+    ('m5~1.9', 't0-8', false),
     ('s5', 's5', true),
     ('s5', 's6', true),
     ('s6', 's5', false),
@@ -114,8 +122,11 @@ SELECT persisted_after('m5~2.7'::multi_writer_token, 2, 7) AS a,
 
 ---------------------------------------------------------------------------
 -- 5. in_range(low, high, instance, stream_id): low < position <= high for
---    that writer; a NULL bound is unbounded; a NULL instance uses each
---    token's minimum; a NULL stream_id gives NULL.
+--    that writer; a NULL bound is unbounded; a NULL stream_id gives NULL. A
+--    NULL instance is the instance named master for room tokens (Synapse's
+--    _filter_results_by_stream), here none exists yet: each token's
+--    minimum; for multi-writer tokens always each token's minimum (Synapse's
+--    is_stream_position_in_range). Section 6b creates master.
 ---------------------------------------------------------------------------
 SELECT lo, hi, i, sid, in_range(lo, hi, i, sid) AS got, expected,
        in_range(lo, hi, i, sid) IS NOT DISTINCT FROM expected AS ok
@@ -130,7 +141,7 @@ FROM (VALUES
     ('m5~2.7', 'm10~2.12', 1, 6, true),
     ('m5~2.7', 'm10~2.12', 1, 10, true),
     ('m5~2.7', 'm10~2.12', 1, 11, false),
-    -- NULL instance: the minimum (5, 10), not writer 2's position
+    -- NULL instance, no master: the minimum (5, 10), not writer 2's position
     ('m5~2.7', 'm10~2.12', NULL, 6, true),
     ('m5~2.7', 'm10~2.12', NULL, 11, false),
     ('m5~1.8', 's10', 1, 6, false),
@@ -144,7 +155,8 @@ FROM (VALUES
     (NULL, NULL, NULL, 0, true),
     -- NULL stream_id
     ('s5', 's10', 1, NULL, NULL),
-    -- historical bounds use their stream part here
+    -- historical bounds use their stream part here (Synapse's
+    -- _filter_results_by_stream refuses them)
     ('t1-5', 't9-10', 1, 6, true),
     ('t1-5', 't9-10', 1, 5, false)
 ) AS v(lo, hi, i, sid, expected);
@@ -196,7 +208,40 @@ FROM (VALUES
 ) AS v(lo, hi, i, topo, sid, expected);
 
 ---------------------------------------------------------------------------
--- 7. advance(a, b): least upper bound in the causal order.
+-- 6b. A NULL instance in the room in_range functions is master (Synapse's
+--    _filter_results and _filter_results_by_stream read a row without an
+--    instance name as written by "master"): master's listed position, else
+--    the minimum. Multi-writer tokens keep the minimum. The room functions
+--    read streampos.instances, so they are STABLE (and parallel safe); the
+--    multi-writer one stays IMMUTABLE.
+---------------------------------------------------------------------------
+SELECT p.oid::regprocedure AS function, p.provolatile, p.proparallel
+FROM pg_proc p
+WHERE p.proname = 'in_range' AND p.pronamespace = 'streampos'::regnamespace
+ORDER BY 1::text;
+
+CREATE TABLE master_bounds AS
+SELECT make_room_token(5, ARRAY[instance_id('master')], ARRAY[8]) AS lo,
+       make_room_token(10, ARRAY[instance_id('master')], ARRAY[12]) AS hi,
+       make_multi_writer_token(5, ARRAY[instance_id('master')], ARRAY[8]) AS mlo,
+       make_multi_writer_token(10, ARRAY[instance_id('master')], ARRAY[12]) AS mhi;
+-- master is at 8 in lo and 12 in hi; other writers at 5 and 10.
+SELECT sid,
+       in_range(lo, hi, NULL, sid) AS room_null,
+       in_range(lo, hi, instance_id('master'), sid) AS room_master,
+       in_range(lo, hi, NULL, 0, sid) AS room5_null,
+       in_range(lo, hi, instance_id('w1'), sid) AS room_w1,
+       in_range(mlo, mhi, NULL, sid) AS mw_null
+FROM master_bounds, (VALUES (6::bigint), (8), (9), (10), (11), (12), (13)) AS v(sid)
+ORDER BY sid;
+-- Historical bounds do not depend on the writer.
+SELECT in_range('t3-20'::room_stream_token, 't5-40', NULL, 4, 30) AS hist_null,
+       in_range(lo, NULL, NULL, 0, 8) AS live_lo_8,
+       in_range(lo, NULL, NULL, 0, 9) AS live_lo_9
+FROM master_bounds;
+
+---------------------------------------------------------------------------
+-- 7. advance(a, b): a least upper bound in the causal order.
 ---------------------------------------------------------------------------
 SELECT a, b, advance(a, b) AS got, expected, advance(a, b) = expected AS ok
 FROM (VALUES
@@ -205,7 +250,8 @@ FROM (VALUES
     ('m5~1.9', 's9', 's9'),                -- writer 1 falls to the minimum
     ('m5~1.9', 'm7~1.8', 'm7~1.9'),
     ('m5~1.9~2.6', 'm5~2.9', 'm5~1.9~2.9'),
-    ('t1-5', 't3-2', 't3-5'),              -- componentwise maximum
+    ('t1-5', 't3-2', 't3-5'),              -- maximum of each part
+    ('t2-5', 't1-5', 't2-5'),
     ('t1-5', 'm3~1.4', 's5'),              -- live, every writer at least 5
     ('t1-5', 'm3~1.9', 'm5~1.9'),
     ('s3', 't1-5', 's5'),
@@ -235,10 +281,14 @@ SELECT count(*) AS not_least
 FROM sample a, sample b, sample c
 WHERE is_before_or_eq(a.t, c.t) AND is_before_or_eq(b.t, c.t)
   AND NOT is_before_or_eq(advance(a.t, b.t), c.t);
--- is_before_or_eq(a, b) exactly when advance(a, b) = b.
-SELECT count(*) AS mismatches
-FROM sample a, sample b
-WHERE is_before_or_eq(a.t, b.t) <> (advance(a.t, b.t) = b.t);
+-- is_before_or_eq(a, b) exactly when advance(a, b) is before-or-equal b
+-- (then the two are before-or-equal each other); advance(a, b) is b itself
+-- when b is live.
+SELECT count(*) FILTER (WHERE is_before_or_eq(a.t, b.t)
+                              <> is_before_or_eq(advance(a.t, b.t), b.t)) AS mismatches,
+       count(*) FILTER (WHERE is_before_or_eq(a.t, b.t) AND topological(b.t) IS NULL
+                              AND advance(a.t, b.t) <> b.t) AS live_not_b
+FROM sample a, sample b;
 
 ---------------------------------------------------------------------------
 -- 8. The advance aggregate: least upper bound of a column, NULLs ignored,
@@ -294,9 +344,12 @@ FROM (VALUES
     ('m5~', 's5'),
     ('s5', 's6'),
     ('s6', 's5'),
-    ('t100-100', 's0'),                    -- historical before live
-    ('t1-9', 't2-0'),                      -- topological first
+    ('t100-100', 's0'),                    -- the stream part first
+    ('t1-9', 't2-0'),
     ('t2-1', 't2-0'),
+    ('t1-5', 't2-5'),                      -- same live view s5: topological
+    ('t9-5', 's5'),                        -- part, live last
+    ('t9-5', 'm5~1.6'),
     ('s5', 'm5~1.6'),                      -- more excess is later
     ('m5~1.7', 'm5~2.7'),                  -- same excess: entries decide
     ('m5~1.6~2.6', 'm5~1.7'),
@@ -332,9 +385,17 @@ SELECT t FROM (VALUES ('6'::multi_writer_token), ('m5~1.7'), ('m5~2.6'),
 ORDER BY t;
 
 -- The total order extends the causal order, over every pair of the sample:
--- is_before_or_eq(a, b) implies a <= b; and it is antisymmetric and
--- consistent with equality of the canonical text.
-SELECT count(*) FILTER (WHERE is_before_or_eq(a.t, b.t) AND NOT a.t <= b.t) AS not_extending,
+-- is_before_or_eq(a, b) and not is_before_or_eq(b, a) implies a < b; tokens
+-- before-or-equal each other have the same stream part and no entries (the
+-- live view s{n}, or a historical t{x}-{n}); and the order is antisymmetric
+-- and consistent with equality of the canonical text.
+SELECT count(*) FILTER (WHERE is_before_or_eq(a.t, b.t) AND NOT is_before_or_eq(b.t, a.t)
+                              AND NOT a.t < b.t) AS not_extending,
+       count(*) FILTER (WHERE is_before_or_eq(a.t, b.t) AND is_before_or_eq(b.t, a.t)
+                              AND a.t <> b.t
+                              AND NOT (stream_pos(a.t) = stream_pos(b.t)
+                                       AND max_stream_pos(a.t) = stream_pos(a.t)
+                                       AND max_stream_pos(b.t) = stream_pos(b.t))) AS odd_equivalents,
        count(*) FILTER (WHERE room_stream_token_cmp(a.t, b.t) <> -room_stream_token_cmp(b.t, a.t)) AS not_antisymmetric,
        count(*) FILTER (WHERE (a.t = b.t) <> (a.t::text = b.t::text)) AS eq_not_text_eq,
        count(*) FILTER (WHERE (a.t < b.t) = (a.t >= b.t)) AS lt_ge_not_negations
@@ -379,7 +440,7 @@ FROM (SELECT id, t,
 -- ORDER BY t gives the same sequence of values as sorting by the model key.
 SELECT count(*) AS order_mismatches
 FROM (SELECT t, row_number() OVER (ORDER BY t) AS n FROM big) AS x
-JOIN (SELECT t, row_number() OVER (ORDER BY live, topo, stream, excess, entries) AS n
+JOIN (SELECT t, row_number() OVER (ORDER BY stream, excess, entries, live, topo) AS n
       FROM model) AS y USING (n)
 WHERE x.t <> y.t;
 
@@ -394,9 +455,9 @@ SET enable_bitmapscan = off;
 -- The reference answers, from a sequential scan.
 SET enable_indexscan = off;
 SET enable_indexonlyscan = off;
-EXPLAIN (COSTS OFF) SELECT id FROM big WHERE t > 't5-40' AND t <= 'm30~1.33';
+EXPLAIN (COSTS OFF) SELECT id FROM big WHERE t > 't5-20' AND t <= 'm30~1.33';
 CREATE TEMP TABLE seq_range AS
-    SELECT id FROM big WHERE t > 't5-40' AND t <= 'm30~1.33';
+    SELECT id FROM big WHERE t > 't5-20' AND t <= 'm30~1.33';
 CREATE TEMP TABLE seq_eq AS
     SELECT id FROM big WHERE t = 'm8~1.10~3.13';
 CREATE TEMP TABLE seq_eq2 AS
@@ -405,9 +466,9 @@ RESET enable_indexscan;
 RESET enable_indexonlyscan;
 
 SET enable_seqscan = off;
-EXPLAIN (COSTS OFF) SELECT id FROM big WHERE t > 't5-40' AND t <= 'm30~1.33';
+EXPLAIN (COSTS OFF) SELECT id FROM big WHERE t > 't5-20' AND t <= 'm30~1.33';
 CREATE TEMP TABLE idx_range AS
-    SELECT id FROM big WHERE t > 't5-40' AND t <= 'm30~1.33';
+    SELECT id FROM big WHERE t > 't5-20' AND t <= 'm30~1.33';
 EXPLAIN (COSTS OFF) SELECT id FROM big WHERE t = 'm8~3.13~1.10';
 CREATE TEMP TABLE idx_eq AS
     SELECT id FROM big WHERE t = 'm8~3.13~1.10';   -- unsorted spelling
@@ -440,7 +501,7 @@ WHERE (live, topo, stream, excess, entries) > (false, 5, 40, 0, '{}'::bigint[])
 -- The index-ordered scan equals a sort of the model key.
 SELECT count(*) AS index_order_mismatches
 FROM idx_order
-JOIN (SELECT t, row_number() OVER (ORDER BY live, topo, stream, excess, entries) AS n
+JOIN (SELECT t, row_number() OVER (ORDER BY stream, excess, entries, live, topo) AS n
       FROM model) AS y USING (n)
 WHERE idx_order.t <> y.t;
 

@@ -104,7 +104,7 @@ SELECT 'm56~3.59~2.58'::room_stream_token = 'm56~2.58~3.59' AS unsorted_eq_sorte
 -- 3. Invalid room_stream_token text: one row per case with its SQLSTATE,
 --    message (which must quote the offending text) and DETAIL.
 --    22P02 = malformed, 22003 = number out of range. Grammar errors win over
---    range errors, which win over semantic errors (token.rs docs).
+--    range errors, which win over semantic errors (core/src/token/ docs).
 ---------------------------------------------------------------------------
 SELECT input, r.output, r.err_state, r.err_message, r.err_detail
 FROM (VALUES

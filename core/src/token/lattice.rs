@@ -1,0 +1,93 @@
+//! The lattice operations: `advance` (least upper bound) and `bound`.
+//!
+//! The causal order is a preorder (see `order.rs`): a least upper bound is
+//! unique only up to tokens with the same live view. `advance` picks one
+//! that is the same whatever the order of its arguments.
+
+use std::cmp::Ordering;
+
+use super::Token;
+
+impl Token {
+    /// A least upper bound in the [`Token::is_before_or_eq`] preorder
+    /// (Synapse's `copy_and_advance`, extended to historical tokens, which
+    /// Synapse refuses).
+    ///
+    /// live ∨ live = componentwise maximum (entries not above the new
+    /// minimum dropped); historical ∨ historical = `t{max topo}-{max stream}`
+    /// (its live view `s{max stream}` is the join of the two live views);
+    /// historical ∨ live = the live token with every component raised to at
+    /// least the historical token's stream. Commutative, associative,
+    /// idempotent; `a ≼ b` exactly when `advance(a, b)` has `b`'s live view.
+    pub fn advance(&self, other: &Token) -> Token {
+        match (self.topological, other.topological) {
+            (Some(a), Some(b)) => Token::historical(a.max(b), self.stream.max(other.stream)),
+            _ => join_live(self.stream, &self.instances, other.stream, &other.instances),
+        }
+    }
+
+    /// Synapse's `bound_stream_token`: every component capped at
+    /// `max_stream`; entries that fall to the minimum are dropped; the
+    /// topological part is kept (Synapse refuses historical tokens). Never
+    /// raises a component.
+    pub fn bound(&self, max_stream: i64) -> Token {
+        let stream = self.stream.min(max_stream);
+        let instances = self
+            .instances
+            .iter()
+            .filter_map(|&(id, pos)| {
+                let p = pos.min(max_stream);
+                (p > stream).then_some((id, p))
+            })
+            .collect();
+        Token {
+            topological: self.topological,
+            stream,
+            instances,
+        }
+    }
+}
+
+/// The join of two live views (stream, sorted distinct entries all above
+/// stream): componentwise maximum, entries not above the new stream dropped.
+fn join_live(s1: i64, a: &[(i32, i64)], s2: i64, b: &[(i32, i64)]) -> Token {
+    let stream = s1.max(s2);
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut a, mut b) = (a, b);
+    loop {
+        let (id, pos) = match (a.split_first(), b.split_first()) {
+            (None, None) => break,
+            (Some((&(ia, pa), ta)), None) => {
+                a = ta;
+                (ia, pa.max(s2))
+            }
+            (None, Some((&(ib, pb), tb))) => {
+                b = tb;
+                (ib, pb.max(s1))
+            }
+            (Some((&(ia, pa), ta)), Some((&(ib, pb), tb))) => match ia.cmp(&ib) {
+                Ordering::Less => {
+                    a = ta;
+                    (ia, pa.max(s2))
+                }
+                Ordering::Greater => {
+                    b = tb;
+                    (ib, pb.max(s1))
+                }
+                Ordering::Equal => {
+                    a = ta;
+                    b = tb;
+                    (ia, pa.max(pb))
+                }
+            },
+        };
+        if pos > stream {
+            out.push((id, pos));
+        }
+    }
+    Token {
+        topological: None,
+        stream,
+        instances: out,
+    }
+}

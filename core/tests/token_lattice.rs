@@ -1,0 +1,122 @@
+//! The lattice operations: `advance` is the least upper bound of the
+//! causal order, `bound` caps positions and never raises one.
+
+mod common;
+
+use common::{arb_room, arb_stream, ids, live_view, v};
+use proptest::prelude::*;
+use streampos_core::token::{Token, TokenKind};
+use TokenKind::Room;
+
+#[test]
+fn advance_examples() {
+    let h = Token::historical;
+    assert_eq!(h(1, 9).advance(&h(2, 3)), h(2, 9));
+    assert_eq!(h(1, 9).advance(&Token::live(3)), Token::live(9));
+    assert_eq!(h(1, 7).advance(&v(5, &[(1, 6), (2, 9)])), v(7, &[(2, 9)]));
+    assert_eq!(
+        v(5, &[(1, 8), (2, 6)]).advance(&v(6, &[(2, 7), (3, 9)])),
+        v(6, &[(1, 8), (2, 7), (3, 9)])
+    );
+    assert_eq!(v(5, &[(1, 8)]).advance(&v(8, &[(2, 9)])), v(8, &[(2, 9)]));
+    // Tokens before-or-equal each other (one live view s5) join to one of
+    // that view: the historical one with the larger topological part.
+    assert_eq!(h(1, 5).advance(&h(2, 5)), h(2, 5));
+    assert_eq!(h(1, 5).advance(&Token::live(5)), Token::live(5));
+}
+
+#[test]
+fn bound_examples() {
+    assert_eq!(v(5, &[(1, 8), (2, 12)]).bound(10), v(5, &[(1, 8), (2, 10)]));
+    assert_eq!(v(5, &[(1, 8), (2, 12)]).bound(4), Token::live(4));
+    assert_eq!(v(5, &[(1, 8), (2, 12)]).bound(5), Token::live(5));
+    assert_eq!(
+        v(5, &[(1, 8), (2, 12)]).bound(100),
+        v(5, &[(1, 8), (2, 12)])
+    );
+    assert_eq!(Token::historical(3, 9).bound(4), Token::historical(3, 4));
+    assert_eq!(Token::historical(3, 9).bound(10), Token::historical(3, 9));
+}
+
+/// An upper bound of `a` and `b` built without `advance`, raised by bumps.
+fn some_upper_bound(a: &Token, b: &Token, bumps: &[u8], hist: bool) -> Token {
+    let bump = |k: usize| i64::from(bumps.get(k).copied().unwrap_or(0) % 4);
+    let s = a.stream().max(b.stream()).saturating_add(bump(0));
+    if hist {
+        if let (Some(x), Some(y)) = (a.topological(), b.topological()) {
+            return Token::historical(x.max(y).saturating_add(bump(1)), s);
+        }
+    }
+    let lp = |t: &Token, i| {
+        if t.is_historical() {
+            t.stream()
+        } else {
+            t.instance_pos(i)
+        }
+    };
+    let entries: Vec<(i32, i64)> = ids(&[a, b])
+        .into_iter()
+        .enumerate()
+        .map(|(k, i)| (i, lp(a, i).max(lp(b, i)).max(s).saturating_add(bump(k + 2))))
+        .filter(|&(_, p)| p > s)
+        .collect();
+    Token::vector(s, entries).unwrap()
+}
+
+proptest! {
+    #![proptest_config(common::config())]
+
+    #[test]
+    fn advance_is_least_upper_bound(
+        a in arb_room(), b in arb_room(), c in arb_room(),
+        bumps in prop::collection::vec(any::<u8>(), 0..16), hist in any::<bool>(),
+    ) {
+        let j = a.advance(&b);
+        // Commutative, idempotent, associative.
+        prop_assert_eq!(&j, &b.advance(&a));
+        prop_assert_eq!(&a.advance(&a), &a);
+        prop_assert_eq!(j.advance(&c), a.advance(&b.advance(&c)));
+        // An upper bound.
+        prop_assert!(a.is_before_or_eq(&j));
+        prop_assert!(b.is_before_or_eq(&j));
+        // The least one: against a random c, and a constructed upper bound.
+        if a.is_before_or_eq(&c) && b.is_before_or_eq(&c) {
+            prop_assert!(j.is_before_or_eq(&c));
+        }
+        let u = some_upper_bound(&a, &b, &bumps, hist);
+        prop_assert!(a.is_before_or_eq(&u) && b.is_before_or_eq(&u), "{:?}", u);
+        prop_assert!(j.is_before_or_eq(&u));
+        // Componentwise for live results.
+        if !j.is_historical() {
+            for i in ids(&[&a, &b]) {
+                let p = |t: &Token| if t.is_historical() { t.stream() } else { t.instance_pos(i) };
+                prop_assert_eq!(j.instance_pos(i), p(&a).max(p(&b)));
+            }
+        }
+        // a ≼ b exactly when the join has b's live view; the join is b
+        // itself when b is live.
+        prop_assert_eq!(a.is_before_or_eq(&b), live_view(&j) == live_view(&b));
+        if a.is_before_or_eq(&b) && !b.is_historical() {
+            prop_assert_eq!(&j, &b);
+        }
+    }
+
+    #[test]
+    fn bound_never_raises(t in arb_room(), m in arb_stream()) {
+        let bt = t.bound(m);
+        prop_assert_eq!(bt.topological(), t.topological());
+        prop_assert_eq!(bt.stream(), t.stream().min(m));
+        for i in ids(&[&t, &bt]) {
+            prop_assert!(bt.instance_pos(i) <= t.instance_pos(i));
+            prop_assert!(bt.instance_pos(i) <= m.max(bt.stream()));
+            prop_assert_eq!(bt.instance_pos(i), t.instance_pos(i).min(m));
+        }
+        prop_assert!(bt.is_before_or_eq(&t));
+        prop_assert!(bt.max_stream_pos() <= t.max_stream_pos());
+        // Still a valid token: it round-trips through text and storage.
+        prop_assert_eq!(Token::parse(Room, &bt.to_text(Room)).unwrap(), bt.clone());
+        let mut b = Vec::new();
+        bt.encode(&mut b);
+        prop_assert_eq!(Token::decode(Room, &b).unwrap(), bt);
+    }
+}
