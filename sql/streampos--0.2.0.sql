@@ -71,181 +71,181 @@ GRANT SELECT ON instances, streams, stream_tables, stream_positions TO PUBLIC;
 
 /* <begin connected objects> */
 CREATE  FUNCTION "add_table"(
-	"stream" TEXT, /* & str */
-	"tbl" regclass, /* PgRelation */
-	"id_column" TEXT, /* & str */
-	"instance_column" TEXT DEFAULT NULL /* Option < & str > */
+	"stream" TEXT,
+	"tbl" regclass,
+	"id_column" TEXT,
+	"instance_column" TEXT DEFAULT NULL
 ) RETURNS void
 VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'add_table_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "adopt_stream"(
-	"stream" TEXT, /* & str */
-	"seq" regclass, /* PgRelation */
-	"backwards" bool DEFAULT false, /* bool */
-	"writers" TEXT[] DEFAULT NULL /* :: std :: option :: Option < Vec < Option < String > > > */
+	"stream" TEXT,
+	"seq" regclass,
+	"backwards" bool DEFAULT false,
+	"writers" TEXT[] DEFAULT NULL
 ) RETURNS void
 VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'adopt_stream_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "advance"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS multi_writer_token /* MultiWriterToken */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS multi_writer_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_advance_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "advance"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS room_stream_token /* RoomToken */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS room_stream_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_advance_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "bound"(
-	"token" multi_writer_token, /* MultiWriterToken */
-	"max_stream" bigint /* i64 */
-) RETURNS multi_writer_token /* MultiWriterToken */
+	"token" multi_writer_token,
+	"max_stream" bigint
+) RETURNS multi_writer_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_bound_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "bound"(
-	"token" room_stream_token, /* RoomToken */
-	"max_stream" bigint /* i64 */
-) RETURNS room_stream_token /* RoomToken */
+	"token" room_stream_token,
+	"max_stream" bigint
+) RETURNS room_stream_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_bound_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "check_stream"(
-	"stream" TEXT, /* & str */
-	"repair" bool DEFAULT false /* bool */
+	"stream" TEXT,
+	"repair" bool DEFAULT false
 ) RETURNS TABLE (
-	"check_name" TEXT,  /* String */
-	"ok" bool,  /* bool */
-	"detail" TEXT  /* String */
+	"check_name" TEXT, 
+	"ok" bool, 
+	"detail" TEXT 
 )
 STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'check_stream_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "create_stream"(
-	"stream" TEXT, /* & str */
-	"backwards" bool DEFAULT false, /* bool */
-	"writers" TEXT[] DEFAULT NULL /* :: std :: option :: Option < Vec < Option < String > > > */
-) RETURNS regclass /* RegClass */
+	"stream" TEXT,
+	"backwards" bool DEFAULT false,
+	"writers" TEXT[] DEFAULT NULL
+) RETURNS regclass
 VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'create_stream_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "current_room_token"(
-	"stream" TEXT DEFAULT 'events' /* & str */
-) RETURNS room_stream_token /* crate :: types :: RoomToken */
+	"stream" TEXT DEFAULT 'events'
+) RETURNS room_stream_token
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'current_room_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "current_token"(
-	"stream" TEXT /* & str */
-) RETURNS multi_writer_token /* crate :: types :: MultiWriterToken */
+	"stream" TEXT
+) RETURNS multi_writer_token
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'current_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "drop_stream"(
-	"stream" TEXT /* & str */
+	"stream" TEXT
 ) RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'drop_stream_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "frontier"(
-	"stream" TEXT /* & str */
-) RETURNS bigint /* i64 */
+	"stream" TEXT
+) RETURNS bigint
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'frontier_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "in_flight"(
-	"stream" TEXT DEFAULT NULL /* Option < & str > */
+	"stream" TEXT DEFAULT NULL
 ) RETURNS TABLE (
-	"stream_name" TEXT,  /* String */
-	"instance_name" TEXT,  /* String */
-	"pid" INT,  /* Option < i32 > */
-	"xid" xid,  /* Option < pg_sys :: TransactionId > */
-	"min_id" bigint,  /* i64 */
-	"max_id" bigint,  /* i64 */
-	"ids" bigint,  /* i64 */
-	"since" timestamp with time zone  /* Option < TimestampWithTimeZone > */
+	"stream_name" TEXT, 
+	"instance_name" TEXT, 
+	"pid" INT, 
+	"xid" xid, 
+	"min_id" bigint, 
+	"max_id" bigint, 
+	"ids" bigint, 
+	"since" timestamp with time zone 
 )
 VOLATILE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'in_flight_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "in_range"(
-	"low" room_stream_token, /* Option < RoomToken > */
-	"high" room_stream_token, /* Option < RoomToken > */
-	"instance_id" INT, /* Option < i32 > */
-	"topological" bigint, /* Option < i64 > */
-	"stream_id" bigint /* Option < i64 > */
-) RETURNS bool /* Option < bool > */
+	"low" room_stream_token,
+	"high" room_stream_token,
+	"instance_id" INT,
+	"topological" bigint,
+	"stream_id" bigint
+) RETURNS bool
 STABLE PARALLEL RESTRICTED 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'in_range_room_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "in_range"(
-	"low" multi_writer_token, /* Option < MultiWriterToken > */
-	"high" multi_writer_token, /* Option < MultiWriterToken > */
-	"instance_id" INT, /* Option < i32 > */
-	"stream_id" bigint /* Option < i64 > */
-) RETURNS bool /* Option < bool > */
+	"low" multi_writer_token,
+	"high" multi_writer_token,
+	"instance_id" INT,
+	"stream_id" bigint
+) RETURNS bool
 IMMUTABLE PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_in_range_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "in_range"(
-	"low" room_stream_token, /* Option < RoomToken > */
-	"high" room_stream_token, /* Option < RoomToken > */
-	"instance_id" INT, /* Option < i32 > */
-	"stream_id" bigint /* Option < i64 > */
-) RETURNS bool /* Option < bool > */
+	"low" room_stream_token,
+	"high" room_stream_token,
+	"instance_id" INT,
+	"stream_id" bigint
+) RETURNS bool
 STABLE PARALLEL RESTRICTED 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_in_range_v2_wrapper';
 /* </end connected objects> */
 
@@ -255,315 +255,315 @@ AS 'MODULE_PATHNAME', 'room_functions_in_range_v2_wrapper';
 
 /* <begin connected objects> */
 CREATE  FUNCTION "instance_id"(
-	"instance_name" TEXT /* & str */
-) RETURNS INT /* i32 */
+	"instance_name" TEXT
+) RETURNS INT
 STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'instance_id_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "instance_name"(
-	"instance_id" INT /* i32 */
-) RETURNS TEXT /* String */
+	"instance_id" INT
+) RETURNS TEXT
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'instance_name_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "instance_pos"(
-	"token" multi_writer_token, /* MultiWriterToken */
-	"instance_id" INT /* i32 */
-) RETURNS bigint /* i64 */
+	"token" multi_writer_token,
+	"instance_id" INT
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_instance_pos_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "instance_pos"(
-	"token" multi_writer_token, /* MultiWriterToken */
-	"instance_name" TEXT /* & str */
-) RETURNS bigint /* i64 */
+	"token" multi_writer_token,
+	"instance_name" TEXT
+) RETURNS bigint
 STRICT STABLE PARALLEL RESTRICTED 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_instance_pos_by_name_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "instance_pos"(
-	"token" room_stream_token, /* RoomToken */
-	"instance_id" INT /* i32 */
-) RETURNS bigint /* i64 */
+	"token" room_stream_token,
+	"instance_id" INT
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_instance_pos_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "instance_pos"(
-	"token" room_stream_token, /* RoomToken */
-	"instance_name" TEXT /* & str */
-) RETURNS bigint /* i64 */
+	"token" room_stream_token,
+	"instance_name" TEXT
+) RETURNS bigint
 STRICT STABLE PARALLEL RESTRICTED 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_instance_pos_by_name_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "is_before_or_eq"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_is_before_or_eq_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "is_before_or_eq"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_is_before_or_eq_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "make_historical_token"(
-	"topological" bigint, /* i64 */
-	"stream" bigint /* i64 */
-) RETURNS room_stream_token /* RoomToken */
+	"topological" bigint,
+	"stream" bigint
+) RETURNS room_stream_token
 IMMUTABLE STRICT PARALLEL SAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'make_historical_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "make_multi_writer_token"(
-	"stream" bigint, /* Option < i64 > */
-	"instance_ids" INT[] DEFAULT NULL, /* :: std :: option :: Option < Vec < Option < i32 > > > */
-	"positions" bigint[] DEFAULT NULL /* :: std :: option :: Option < Vec < Option < i64 > > > */
-) RETURNS multi_writer_token /* Option < MultiWriterToken > */
+	"stream" bigint,
+	"instance_ids" INT[] DEFAULT NULL,
+	"positions" bigint[] DEFAULT NULL
+) RETURNS multi_writer_token
 IMMUTABLE PARALLEL SAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'make_multi_writer_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "make_room_token"(
-	"stream" bigint, /* Option < i64 > */
-	"instance_ids" INT[] DEFAULT NULL, /* :: std :: option :: Option < Vec < Option < i32 > > > */
-	"positions" bigint[] DEFAULT NULL /* :: std :: option :: Option < Vec < Option < i64 > > > */
-) RETURNS room_stream_token /* Option < RoomToken > */
+	"stream" bigint,
+	"instance_ids" INT[] DEFAULT NULL,
+	"positions" bigint[] DEFAULT NULL
+) RETURNS room_stream_token
 IMMUTABLE PARALLEL SAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'make_room_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "max_allocated"(
-	"stream" TEXT /* & str */
-) RETURNS bigint /* i64 */
+	"stream" TEXT
+) RETURNS bigint
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'max_allocated_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "max_stream_pos"(
-	"token" multi_writer_token /* MultiWriterToken */
-) RETURNS bigint /* i64 */
+	"token" multi_writer_token
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_max_stream_pos_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "max_stream_pos"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS bigint /* i64 */
+	"token" room_stream_token
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_max_stream_pos_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_to_room_token"(
-	"token" multi_writer_token /* MultiWriterToken */
-) RETURNS room_stream_token /* RoomToken */
+	"token" multi_writer_token
+) RETURNS room_stream_token
 IMMUTABLE STRICT PARALLEL SAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_to_room_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_cmp"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS INT /* i32 */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS INT
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_cmp_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_eq"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_eq_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_ge"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_ge_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_gt"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_gt_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_hash"(
-	"token" multi_writer_token /* MultiWriterToken */
-) RETURNS INT /* i32 */
+	"token" multi_writer_token
+) RETURNS INT
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_hash_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_hash_extended"(
-	"token" multi_writer_token, /* MultiWriterToken */
-	"seed" bigint /* i64 */
-) RETURNS bigint /* i64 */
+	"token" multi_writer_token,
+	"seed" bigint
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_hash_extended_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_in"(
-	"input" cstring /* & CStr */
-) RETURNS multi_writer_token /* MultiWriterToken */
+	"input" cstring
+) RETURNS multi_writer_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_type_in_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_le"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_le_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_lt"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_lt_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_ne"(
-	"a" multi_writer_token, /* MultiWriterToken */
-	"b" multi_writer_token /* MultiWriterToken */
-) RETURNS bool /* bool */
+	"a" multi_writer_token,
+	"b" multi_writer_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_ne_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_out"(
-	"token" multi_writer_token /* MultiWriterToken */
-) RETURNS cstring /* CString */
+	"token" multi_writer_token
+) RETURNS cstring
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_type_out_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_recv"(
-	"internal" internal /* Internal */
-) RETURNS multi_writer_token /* MultiWriterToken */
+	"internal" internal
+) RETURNS multi_writer_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_type_recv_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "multi_writer_token_send"(
-	"token" multi_writer_token /* MultiWriterToken */
-) RETURNS bytea /* Vec < u8 > */
+	"token" multi_writer_token
+) RETURNS bytea
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_type_send_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "next_id"(
-	"stream" TEXT, /* & str */
-	"writer" TEXT /* & str */
-) RETURNS bigint /* i64 */
+	"stream" TEXT,
+	"writer" TEXT
+) RETURNS bigint
 STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'next_id_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "next_ids"(
-	"stream" TEXT, /* & str */
-	"writer" TEXT, /* & str */
-	"n" INT /* i32 */
-) RETURNS bigint[] /* Vec < i64 > */
+	"stream" TEXT,
+	"writer" TEXT,
+	"n" INT
+) RETURNS bigint[]
 STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'next_ids_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "persisted_after"(
-	"token" multi_writer_token, /* MultiWriterToken */
-	"instance_id" INT, /* i32 */
-	"stream_id" bigint /* i64 */
-) RETURNS bool /* bool */
+	"token" multi_writer_token,
+	"instance_id" INT,
+	"stream_id" bigint
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_persisted_after_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "persisted_after"(
-	"token" room_stream_token, /* RoomToken */
-	"instance_id" INT, /* i32 */
-	"stream_id" bigint /* i64 */
-) RETURNS bool /* bool */
+	"token" room_stream_token,
+	"instance_id" INT,
+	"stream_id" bigint
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_persisted_after_wrapper';
 /* </end connected objects> */
 
@@ -597,218 +597,218 @@ AS 'MODULE_PATHNAME', 'room_functions_persisted_after_wrapper';
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_cmp"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS INT /* i32 */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS INT
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_cmp_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_eq"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_eq_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_ge"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_ge_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_gt"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_gt_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_hash"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS INT /* i32 */
+	"token" room_stream_token
+) RETURNS INT
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_hash_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_hash_extended"(
-	"token" room_stream_token, /* RoomToken */
-	"seed" bigint /* i64 */
-) RETURNS bigint /* i64 */
+	"token" room_stream_token,
+	"seed" bigint
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_hash_extended_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_in"(
-	"input" cstring /* & CStr */
-) RETURNS room_stream_token /* RoomToken */
+	"input" cstring
+) RETURNS room_stream_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_type_in_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_le"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_le_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_lt"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_lt_v2_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_ne"(
-	"a" room_stream_token, /* RoomToken */
-	"b" room_stream_token /* RoomToken */
-) RETURNS bool /* bool */
+	"a" room_stream_token,
+	"b" room_stream_token
+) RETURNS bool
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_ne_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_out"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS cstring /* CString */
+	"token" room_stream_token
+) RETURNS cstring
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_type_out_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_recv"(
-	"internal" internal /* Internal */
-) RETURNS room_stream_token /* RoomToken */
+	"internal" internal
+) RETURNS room_stream_token
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_type_recv_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_stream_token_send"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS bytea /* Vec < u8 > */
+	"token" room_stream_token
+) RETURNS bytea
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_type_send_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "room_to_multi_writer_token"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS multi_writer_token /* MultiWriterToken */
+	"token" room_stream_token
+) RETURNS multi_writer_token
 IMMUTABLE STRICT PARALLEL SAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_to_multi_writer_token_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "set_writers"(
-	"stream" TEXT, /* & str */
-	"writers" TEXT[] /* :: std :: option :: Option < Vec < Option < String > > > */
+	"stream" TEXT,
+	"writers" TEXT[]
 ) RETURNS void
 VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'set_writers_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "stream_pos"(
-	"token" multi_writer_token /* MultiWriterToken */
-) RETURNS bigint /* i64 */
+	"token" multi_writer_token
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'multi_writer_functions_stream_pos_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "stream_pos"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS bigint /* i64 */
+	"token" room_stream_token
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE 
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_stream_pos_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "topological"(
-	"token" room_stream_token /* RoomToken */
-) RETURNS bigint /* Option < i64 > */
+	"token" room_stream_token
+) RETURNS bigint
 IMMUTABLE STRICT PARALLEL SAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'topological_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "updates"(
-	"stream" TEXT, /* & str */
-	"since" multi_writer_token, /* MultiWriterToken */
-	"max_rows" INT DEFAULT 100, /* i32 */
-	"timeout_ms" INT DEFAULT 0 /* i32 */
-) RETURNS jsonb /* JsonbDatum */
+	"stream" TEXT,
+	"since" multi_writer_token,
+	"max_rows" INT DEFAULT 100,
+	"timeout_ms" INT DEFAULT 0
+) RETURNS jsonb
 STRICT VOLATILE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'updates_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "wait_for"(
-	"stream" TEXT, /* & str */
-	"stream_id" bigint, /* i64 */
-	"timeout_ms" INT /* i32 */
-) RETURNS bigint /* i64 */
+	"stream" TEXT,
+	"stream_id" bigint,
+	"timeout_ms" INT
+) RETURNS bigint
 STRICT VOLATILE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'wait_for_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "writer_position"(
-	"stream" TEXT, /* & str */
-	"writer" TEXT /* & str */
-) RETURNS bigint /* i64 */
+	"stream" TEXT,
+	"writer" TEXT
+) RETURNS bigint
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'writer_position_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
 CREATE  FUNCTION "writer_positions"(
-	"stream" TEXT /* & str */
+	"stream" TEXT
 ) RETURNS TABLE (
-	"instance_name" TEXT,  /* String */
-	"instance_id" INT,  /* i32 */
-	"stream_id" bigint  /* i64 */
+	"instance_name" TEXT, 
+	"instance_id" INT, 
+	"stream_id" bigint 
 )
 STRICT STABLE PARALLEL RESTRICTED
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'writer_positions_wrapper';
 /* </end connected objects> */
 

@@ -159,6 +159,7 @@ impl Error {
                 TokenError::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
                 TokenError::Binary { .. } => Code::ERRCODE_INVALID_BINARY_REPRESENTATION,
                 TokenError::Corrupt { .. } => Code::ERRCODE_DATA_CORRUPTED,
+                TokenError::TooLarge { .. } => Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             },
         }
     }

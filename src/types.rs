@@ -164,26 +164,37 @@ fn hash64(token: &Token, seed: i64) -> i64 {
     unsafe { hash_bytes_extended(bytes.as_ptr(), bytes.len() as i32, seed as u64) as i64 }
 }
 
-fn construct(
-    stream: i64,
-    ids: Option<Vec<Option<i32>>>,
-    positions: Option<Vec<Option<i64>>>,
-) -> Token {
-    let ids = ids.unwrap_or_default();
-    let positions = positions.unwrap_or_default();
-    if ids.len() != positions.len() {
+/// A live token from SQL arrays. Their lengths are checked against the
+/// token's cap before anything is copied out of them.
+fn construct(stream: i64, ids: Option<Array<'_, i32>>, positions: Option<Array<'_, i64>>) -> Token {
+    let (n_ids, n_positions) = (
+        ids.as_ref().map_or(0, |a| a.len()),
+        positions.as_ref().map_or(0, |a| a.len()),
+    );
+    if n_ids != n_positions {
         Error::InvalidArgument {
             message: "instance_ids and positions must have the same length".into(),
             detail: Some(format!(
-                "instance_ids has {} elements and positions has {}.",
-                ids.len(),
-                positions.len()
+                "instance_ids has {n_ids} elements and positions has {n_positions}."
             )),
         }
         .report();
     }
-    let mut pairs = Vec::with_capacity(ids.len());
-    for (id, pos) in ids.into_iter().zip(positions) {
+    if n_ids > streampos_core::token::MAX_INSTANCES {
+        Error::from(streampos_core::token::TokenError::TooLarge {
+            type_name: "token",
+            detail: format!(
+                "It lists {n_ids} instance positions; at most {} are allowed.",
+                streampos_core::token::MAX_INSTANCES
+            ),
+        })
+        .report();
+    }
+    let (Some(ids), Some(positions)) = (ids, positions) else {
+        return Token::live(stream);
+    };
+    let mut pairs = Vec::with_capacity(n_ids);
+    for (id, pos) in ids.iter().zip(positions.iter()) {
         match (id, pos) {
             (Some(id), Some(pos)) => pairs.push((id, pos)),
             _ => Error::invalid("instance_ids and positions must not contain NULL").report(),
@@ -469,8 +480,8 @@ fn in_range_room_v2(
 #[pg_extern(immutable, parallel_safe)]
 fn make_room_token(
     stream: Option<i64>,
-    instance_ids: default!(Option<Vec<Option<i32>>>, "NULL"),
-    positions: default!(Option<Vec<Option<i64>>>, "NULL"),
+    instance_ids: default!(Option<Array<'_, i32>>, "NULL"),
+    positions: default!(Option<Array<'_, i64>>, "NULL"),
 ) -> Option<RoomToken> {
     // Not STRICT, so that the arrays may be NULL; a NULL minimum is a NULL token.
     Some(RoomToken(construct(stream?, instance_ids, positions)))
@@ -484,8 +495,8 @@ fn make_historical_token(topological: i64, stream: i64) -> RoomToken {
 #[pg_extern(immutable, parallel_safe)]
 fn make_multi_writer_token(
     stream: Option<i64>,
-    instance_ids: default!(Option<Vec<Option<i32>>>, "NULL"),
-    positions: default!(Option<Vec<Option<i64>>>, "NULL"),
+    instance_ids: default!(Option<Array<'_, i32>>, "NULL"),
+    positions: default!(Option<Array<'_, i64>>, "NULL"),
 ) -> Option<MultiWriterToken> {
     // Not STRICT, so that the arrays may be NULL; a NULL minimum is a NULL token.
     Some(MultiWriterToken(construct(

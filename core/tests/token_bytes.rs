@@ -210,3 +210,25 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_wire_message_over_the_instance_cap_is_54000() {
+    use streampos_core::token::{Token, TokenKind, MAX_INSTANCES};
+    let message = |n: usize| -> Vec<u8> {
+        let mut m = vec![1u8, 0];
+        m.extend_from_slice(&0i64.to_be_bytes());
+        m.extend_from_slice(&(n as u32).to_be_bytes());
+        for id in 0..n {
+            m.extend_from_slice(&(id as i32).to_be_bytes());
+            m.extend_from_slice(&1i64.to_be_bytes());
+        }
+        m
+    };
+    assert!(Token::recv(TokenKind::Room, &message(MAX_INSTANCES)).is_ok());
+    let e = Token::recv(TokenKind::Room, &message(MAX_INSTANCES + 1)).unwrap_err();
+    assert_eq!(e.sqlstate(), "54000", "{e:?}");
+    // A count the bytes do not back is a malformed message, not a big one.
+    let mut short = message(0);
+    short[10..14].copy_from_slice(&u32::MAX.to_be_bytes());
+    assert_eq!(Token::recv(TokenKind::Room, &short).unwrap_err().sqlstate(), "22P03");
+}

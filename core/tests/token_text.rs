@@ -397,3 +397,23 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn more_instance_positions_than_the_cap_is_54000_before_anything_is_allocated() {
+    use streampos_core::token::{Token, TokenKind, MAX_INSTANCES};
+    let entries = |n: usize| -> String {
+        let mut s = String::from("m0");
+        for id in 0..n {
+            s.push_str(&format!("~{id}.1"));
+        }
+        s
+    };
+    assert!(Token::parse(TokenKind::Room, &entries(MAX_INSTANCES)).is_ok());
+    assert!(Token::parse(TokenKind::Room, &format!("{}~", entries(MAX_INSTANCES))).is_ok());
+    let e = Token::parse(TokenKind::Room, &entries(MAX_INSTANCES + 1)).unwrap_err();
+    assert_eq!(e.sqlstate(), "54000", "{e:?}");
+    // A huge run of separators is refused by counting, not by parsing it.
+    let e = Token::parse(TokenKind::MultiWriter, &format!("m1{}", "~".repeat(5_000_000))).unwrap_err();
+    assert_eq!(e.sqlstate(), "54000", "{e:?}");
+    assert!(e.to_string().len() < 200);
+}

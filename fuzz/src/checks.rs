@@ -19,9 +19,9 @@ use streampos_core::token::{Token, TokenError, TokenKind};
 pub const KINDS: [TokenKind; 2] = [TokenKind::Room, TokenKind::MultiWriter];
 
 /// SQLSTATEs that [`Token::parse`] may return.
-pub const PARSE_STATES: &[&str] = &["22P02", "22003"];
+pub const PARSE_STATES: &[&str] = &["22P02", "22003", "54000"];
 /// SQLSTATE of every [`Token::recv`] error.
-pub const RECV_STATES: &[&str] = &["22P03"];
+pub const RECV_STATES: &[&str] = &["22P03", "54000"];
 /// SQLSTATE of every [`Token::decode`] error.
 pub const DECODE_STATES: &[&str] = &["XX001"];
 

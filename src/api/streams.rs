@@ -47,7 +47,9 @@ unsafe impl SqlTranslatable for RegClass {
 /// Most writers a stream may list.
 const MAX_WRITERS: usize = 1024;
 
-fn ensure_writer_instances(writers: &Option<Vec<Option<String>>>) -> Option<Vec<String>> {
+/// The writer names of a `writers` argument, each an instance (created when
+/// new). The length is checked before anything is copied out of the array.
+fn ensure_writer_instances(writers: &Option<Array<'_, &str>>) -> Option<Vec<String>> {
     let writers = writers.as_ref()?;
     if writers.len() > MAX_WRITERS {
         Error::TooLarge {
@@ -58,14 +60,14 @@ fn ensure_writer_instances(writers: &Option<Vec<Option<String>>>) -> Option<Vec<
         }
         .report();
     }
-    let mut names = Vec::with_capacity(writers.len());
-    for w in writers {
+    let mut names: Vec<String> = Vec::with_capacity(writers.len());
+    for w in writers.iter() {
         let Some(w) = w else {
             Error::invalid("writers must not contain NULL").report();
         };
         catalog::instance_id(w).or_raise();
-        if !names.contains(w) {
-            names.push(w.clone());
+        if !names.iter().any(|n| n == w) {
+            names.push(w.to_string());
         }
     }
     Some(names)
@@ -88,7 +90,7 @@ fn current_role() -> pg_sys::Oid {
 fn create_stream(
     stream: &str,
     backwards: default!(bool, false),
-    writers: default!(Option<Vec<Option<String>>>, "NULL"),
+    writers: default!(Option<Array<'_, &str>>, "NULL"),
 ) -> RegClass {
     check_new_stream(stream);
     let writers = ensure_writer_instances(&writers);
@@ -105,7 +107,7 @@ fn adopt_stream(
     stream: &str,
     seq: PgRelation,
     backwards: default!(bool, false),
-    writers: default!(Option<Vec<Option<String>>>, "NULL"),
+    writers: default!(Option<Array<'_, &str>>, "NULL"),
 ) {
     check_new_stream(stream);
     let oid = seq.oid();
@@ -175,7 +177,7 @@ fn add_table(
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn set_writers(stream: &str, writers: Option<Vec<Option<String>>>) {
+fn set_writers(stream: &str, writers: Option<Array<'_, &str>>) {
     let meta = catalog::stream(stream).or_raise();
     let writers = ensure_writer_instances(&writers);
     sql::set_stream_writers(stream, writers.clone());

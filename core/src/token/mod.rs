@@ -106,6 +106,31 @@ pub enum TokenError {
         type_name: &'static str,
         detail: String,
     },
+    /// 54000 (more instance positions than [`MAX_INSTANCES`])
+    #[error("{type_name} value lists too many instance positions")]
+    TooLarge {
+        type_name: &'static str,
+        detail: String,
+    },
+}
+
+/// Most instance positions a token may list. Synapse's tokens list a few;
+/// the cap keeps memory bounded for hostile input (a longer token is an
+/// error, SQLSTATE 54000, before anything is allocated for it).
+pub const MAX_INSTANCES: usize = 10_000;
+
+/// The error for `count` instance positions, when above [`MAX_INSTANCES`].
+/// `type_name` names the SQL type (or "token" for a constructor).
+pub(crate) fn check_instance_count(type_name: &'static str, count: u64) -> Result<(), TokenError> {
+    if count > MAX_INSTANCES as u64 {
+        return Err(TokenError::TooLarge {
+            type_name,
+            detail: format!(
+                "It lists {count} instance positions; at most {MAX_INSTANCES} are allowed."
+            ),
+        });
+    }
+    Ok(())
 }
 
 impl TokenError {
@@ -117,6 +142,7 @@ impl TokenError {
             TokenError::InvalidArgument { .. } => "22023",
             TokenError::Binary { .. } => "22P03",
             TokenError::Corrupt { .. } => "XX001",
+            TokenError::TooLarge { .. } => "54000",
         }
     }
 
@@ -127,7 +153,8 @@ impl TokenError {
             | TokenError::OutOfRange { detail, .. }
             | TokenError::InvalidArgument { detail, .. }
             | TokenError::Binary { detail, .. }
-            | TokenError::Corrupt { detail, .. } => detail,
+            | TokenError::Corrupt { detail, .. }
+            | TokenError::TooLarge { detail, .. } => detail,
         }
     }
 }
@@ -214,7 +241,10 @@ impl Token {
         stream: i64,
         instances: impl IntoIterator<Item = (i32, i64)>,
     ) -> Result<Token, TokenError> {
-        let mut v: Vec<(i32, i64)> = instances.into_iter().collect();
+        let instances = instances.into_iter();
+        check_instance_count("token", instances.size_hint().0 as u64)?;
+        let mut v: Vec<(i32, i64)> = instances.collect();
+        check_instance_count("token", v.len() as u64)?;
         match normalise_vector(stream, &mut v) {
             Ok(()) => Ok(Token {
                 topological: None,

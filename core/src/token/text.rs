@@ -184,6 +184,7 @@ fn push_i64(out: &mut String, v: i64) {
 enum Fail {
     Syntax(String),
     Range(String),
+    TooLarge(u64),
 }
 
 impl Fail {
@@ -201,6 +202,12 @@ impl Fail {
                 text,
                 detail,
             },
+            Fail::TooLarge(count) => super::check_instance_count(type_name, count)
+                .err()
+                .unwrap_or_else(|| TokenError::TooLarge {
+                    type_name,
+                    detail: format!("It lists {count} instance positions."),
+                }),
         }
     }
 }
@@ -394,6 +401,14 @@ impl<'a> Parser<'a> {
             .b
             .get(self.i..)
             .map_or(0, |r| r.iter().filter(|&&c| c == b'~').count());
+        // One trailing `~` may be empty; beyond the cap, refuse before
+        // allocating anything for the entries.
+        // A trailing `~` is the one empty entry allowed, not an entry.
+        let trailing = usize::from(self.b.last() == Some(&b'~'));
+        let entries = tildes.saturating_sub(trailing) as u64;
+        if entries > super::MAX_INSTANCES as u64 {
+            return Err(Fail::TooLarge(entries));
+        }
         let mut instances = Vec::with_capacity(tildes);
         loop {
             match self.peek() {

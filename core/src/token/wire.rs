@@ -89,6 +89,7 @@ impl Token {
                 u64::from(count) * 12
             )));
         }
+        super::check_instance_count(kind.type_name(), u64::from(count))?;
         // `count` is now bounded by the actual length of the message.
         let mut instances = Vec::with_capacity(r.0.len() / 12);
         while let (Some(id), Some(pos)) = (r.i32_be(), r.i64_be()) {
