@@ -230,5 +230,8 @@ fn a_wire_message_over_the_instance_cap_is_54000() {
     // A count the bytes do not back is a malformed message, not a big one.
     let mut short = message(0);
     short[10..14].copy_from_slice(&u32::MAX.to_be_bytes());
-    assert_eq!(Token::recv(TokenKind::Room, &short).unwrap_err().sqlstate(), "22P03");
+    assert_eq!(
+        Token::recv(TokenKind::Room, &short).unwrap_err().sqlstate(),
+        "22P03"
+    );
 }

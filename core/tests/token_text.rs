@@ -413,7 +413,11 @@ fn more_instance_positions_than_the_cap_is_54000_before_anything_is_allocated() 
     let e = Token::parse(TokenKind::Room, &entries(MAX_INSTANCES + 1)).unwrap_err();
     assert_eq!(e.sqlstate(), "54000", "{e:?}");
     // A huge run of separators is refused by counting, not by parsing it.
-    let e = Token::parse(TokenKind::MultiWriter, &format!("m1{}", "~".repeat(5_000_000))).unwrap_err();
+    let e = Token::parse(
+        TokenKind::MultiWriter,
+        &format!("m1{}", "~".repeat(5_000_000)),
+    )
+    .unwrap_err();
     assert_eq!(e.sqlstate(), "54000", "{e:?}");
     assert!(e.to_string().len() < 200);
 }

@@ -256,15 +256,19 @@ pub fn view(
             min_id,
         });
     };
+    // The caller's own transaction is running whatever its snapshot says
+    // (a snapshot never lists its own xid as in progress).
+    let own_slot = super::shmem::my_slot_index().ok();
     for (slot_index, header) in locked.slot_headers().iter().enumerate() {
         if header.used == 0 {
             continue;
         }
+        let own = own_slot == Some(slot_index);
         for a in locked.slot(slot_index).iter() {
             if a.stream != stream_i32 {
                 continue;
             }
-            let ended = sees_end(a.xid);
+            let ended = !own && sees_end(a.xid);
             // A pending entry has not recorded its WAL position: while its
             // transaction runs, its IDs are in flight like any other; once it
             // has ended (an allocation that failed, its callback not run

@@ -296,3 +296,18 @@ def test_unlogged_sequences_are_refused(connect, db, stream):
     temp.execute(f"CREATE TEMP SEQUENCE {stream}_tmp")
     err = expect_error(temp, "SELECT streampos.adopt_stream(%s, %s::regclass)", (stream + "x", f"{stream}_tmp"))
     assert err.diag.sqlstate in ("55000", "42501"), err
+
+
+def test_own_allocation_is_in_flight_for_its_own_transaction(connect, db, stream):
+    """A transaction's own IDs are in flight for its own snapshots, even when
+    their sequence record is already durable (a snapshot never lists its own
+    xid as running, so the snapshot alone does not say so)."""
+    create_stream(db, stream)
+    assert commit_ids(db, stream, "w", 5) == [1, 2, 3, 4, 5]  # logs ahead, flushed
+    w = connect()
+    w.execute("BEGIN")
+    assert one(w, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 6
+    assert one(w, "SELECT streampos.frontier(%s)", (stream,)) == 5
+    assert one(w, "SELECT streampos.writer_position(%s, 'w')", (stream,)) == 5
+    w.execute("COMMIT")
+    assert frontier(db, stream) == 6
