@@ -166,7 +166,7 @@ class _Token:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __reduce__(self):
-        return (type(self)._make, (self._stream, self._topological, self._instances))
+        return (_rebuild, (type(self), self._stream, self._topological, self._instances))
 
     # ------------------------------------------------------------ fields
 
@@ -394,6 +394,12 @@ class _Token:
         except TokenSyntaxError as e:
             raise TokenBinaryError(f"invalid binary data for type {name}: {e}") from None
         return cls._make(stream, topological, instances)
+
+
+def _rebuild(cls, stream: int, topological: Optional[int], instances: Tuple[Tuple[int, int], ...]) -> "_Token":
+    """Unpickling: a module-level function pickles by name under any
+    ``copyreg`` setup (Twisted replaces how bound methods pickle)."""
+    return cls._make(stream, topological, tuple(tuple(p) for p in instances))
 
 
 def _parse_int(cls, text: str, digits: str, bits: int) -> int:
