@@ -24,11 +24,13 @@ generator keeps Synapse's interface and meaning on top of that:
   in the view was true when read and positions only move forward, so a
   getter is never ahead of the truth; it can only lag until the next read.
 
-Where values differ from Synapse's in-memory generator they are ahead of
-Synapse's and never ahead of the truth: an idle writer's position is the
-stream's maximum allocated ID (Synapse's ``get_current_token_for_writer``
-answer), and a writer that never writes holds nothing back. An empty stream
-is at 0 and allocates 1 first (Synapse starts at 1). See README.md.
+After a read, values are at least Synapse's and never ahead of the truth:
+an idle writer's position is the stream's maximum allocated ID, and a writer
+that never writes holds nothing back. Between reads the view holds facts
+only; it does not make Synapse's inferences (a run of positions without a
+gap, an idle local writer at the highest ID allocated anywhere), which the
+database cannot confirm until the WAL is flushed. An empty stream is at 0
+and allocates 1 first (Synapse's start at 1). See README.md.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ SELECT streampos.frontier(%(s)s),
 """
 
 _NEXT_IDS_SQL = "SELECT streampos.next_ids(%s, %s, %s)"
-_NEXT_ID_SQL = "SELECT streampos.next_id(%s, %s)"
 _MAX_ALLOCATED_SQL = "SELECT streampos.max_allocated(%s)"
 _SET_WRITERS_SQL = "SELECT streampos.set_writers(%s, %s::text[])"
 _REPAIR_SQL = "SELECT check_name, ok, detail FROM streampos.check_stream(%s, repair => true)"
