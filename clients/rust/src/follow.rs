@@ -1,0 +1,119 @@
+//! A follower of the replication feed that survives reconnects.
+
+use std::time::Duration;
+
+use tokio_postgres::{Client, NoTls};
+
+use crate::{updates, Error, MultiWriterToken, Updates};
+
+/// Long-polls `streampos.updates` from a token, on a connection of its own.
+///
+/// Each [`Follower::next`] returns the rows after the current token and
+/// moves the token to the end of the answer. When the connection is lost,
+/// it reconnects (with a growing pause, at most `max_backoff`) and asks again
+/// from the same token: `updates` is a pure function of the token and the
+/// committed data, so nothing is skipped or repeated. Store
+/// [`Follower::token`] with what you did with the rows to resume after a
+/// restart of your own.
+pub struct Follower {
+    conninfo: String,
+    stream: String,
+    token: MultiWriterToken,
+    client: Option<Client>,
+    /// Rows per answer (cut at an ID boundary).
+    pub max_rows: i32,
+    /// How long one poll waits on the server for a writer to move.
+    pub poll_timeout: Duration,
+    /// The longest pause between reconnection attempts.
+    pub max_backoff: Duration,
+    connections: u64,
+}
+
+impl Follower {
+    /// A follower of `stream` after `since`; connects on first use.
+    pub fn new(
+        conninfo: impl Into<String>,
+        stream: impl Into<String>,
+        since: MultiWriterToken,
+    ) -> Follower {
+        Follower {
+            conninfo: conninfo.into(),
+            stream: stream.into(),
+            token: since,
+            client: None,
+            max_rows: 100,
+            poll_timeout: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(5),
+            connections: 0,
+        }
+    }
+
+    /// The token after everything returned so far.
+    pub fn token(&self) -> &MultiWriterToken {
+        &self.token
+    }
+
+    /// How many times the connection was re-established.
+    pub fn reconnects(&self) -> u64 {
+        self.connections.saturating_sub(1)
+    }
+
+    /// The next answer: rows after the token (possibly none, when the poll
+    /// timed out or only positions moved). Connection failures are retried;
+    /// other errors (an unknown stream, say) are returned.
+    pub async fn next(&mut self) -> Result<Updates, Error> {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match self.poll().await {
+                Ok(answer) => {
+                    self.token = answer.token.clone();
+                    return Ok(answer);
+                }
+                Err(e) if is_connection_error(&e) => {
+                    self.client = None;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.max_backoff);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn poll(&mut self) -> Result<Updates, Error> {
+        if self.client.as_ref().is_none_or(Client::is_closed) {
+            let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls).await?;
+            tokio::spawn(connection);
+            self.connections += 1;
+            self.client = Some(client);
+        }
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| Error::Protocol("no connection".into()))?;
+        updates(
+            client,
+            &self.stream,
+            &self.token,
+            self.max_rows,
+            self.poll_timeout,
+        )
+        .await
+    }
+}
+
+fn is_connection_error(e: &Error) -> bool {
+    let Error::Db(e) = e else { return false };
+    if e.is_closed() {
+        return true;
+    }
+    match e.as_db_error() {
+        // The server is going away or refused us: a restart, a terminated
+        // backend, a connection failure.
+        Some(db) => {
+            let code = db.code().code();
+            code.starts_with("08") || code.starts_with("57P")
+        }
+        // Not a server error: an I/O failure underneath means the connection.
+        None => std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
+    }
+}
