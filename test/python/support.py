@@ -20,9 +20,9 @@ PGUSER = os.environ.get("STREAMPOS_PGUSER", "postgres")
 PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 DBNAME = "streampos_pytest"
 
-# SPEC: stream_positions is "caught up within a second of a commit"; in-flight
-# IDs of a terminated or disconnected session are released when its backend
-# exits, which takes well under that.
+# The contract (docs/contract.md): stream_positions is "caught up within a
+# second of a commit"; in-flight IDs of a terminated or disconnected session
+# are released when its backend exits, which takes well under that.
 CATCH_UP_SECONDS = 1.0
 
 

@@ -1,4 +1,4 @@
-"""Crashes and restarts (SPEC invariants 3 and 4): after any restart nothing
+"""Crashes and restarts (docs/contract.md, invariants 3 and 4): after any restart nothing
 is in flight and the frontier equals the sequence's value; stored positions
 are never ahead of it; allocation continues above it.
 

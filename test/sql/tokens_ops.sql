@@ -2,7 +2,7 @@
 -- tokens_ops: functions, operators, aggregates, operator classes and index
 -- support of streampos.room_stream_token and streampos.multi_writer_token.
 --
--- The contract is SPEC.md "Token types" and the docs of core/src/token/:
+-- The contract is docs/tokens.md and docs/contract.md ("Tokens") and the docs of core/src/token/:
 -- the causal order is_before_or_eq is Synapse's (writer by writer, a
 -- historical token counting as s{stream}: its topological part is ignored),
 -- advance = a least upper bound in that order, bound never raises a
@@ -212,7 +212,7 @@ FROM (VALUES
 --    _filter_results and _filter_results_by_stream read a row without an
 --    instance name as written by "master"): master's listed position, else
 --    the minimum. Multi-writer tokens keep the minimum. The room functions
---    read streampos.instances, so they are STABLE (and parallel safe); the
+--    read streampos.instances, so they are STABLE (and parallel restricted); the
 --    multi-writer one stays IMMUTABLE.
 ---------------------------------------------------------------------------
 SELECT p.oid::regprocedure AS function, p.provolatile, p.proparallel

@@ -2,7 +2,7 @@
 -- tokens_text: text and binary input/output, casts and constructors of
 -- streampos.room_stream_token and streampos.multi_writer_token.
 --
--- The contract is SPEC.md "Token types" and "Errors": Synapse's text format
+-- The contract is docs/tokens.md and docs/contract.md ("Tokens", "Errors"): Synapse's text format
 -- byte for byte, canonical output (instances ascending, empty m-token as s),
 -- malformed text 22P02 with the offending text in the message, out-of-range
 -- numbers 22003, binary I/O (bad bytes 22P03), casts to/from text and between
