@@ -12,9 +12,20 @@ Writers (pgbench -M prepared, synchronous_commit as given):
   streampos       INSERT … SELECT streampos.next_id('bench', writer), …
   synapse-in-txn  the floor's INSERT + an upsert of the writer's positions
                   row in the same transaction
-  synapse-after   the upsert in its own transaction after the commit
 Readers (8 clients, while 8 streampos writers run):
   SELECT 1  /  streampos.frontier('bench')  /  streampos.current_room_token('bench')
+Old snapshot (4 writer clients of next_id + INSERT, 4 reader clients of each
+reader shape, pgbench -M prepared), without and with one REPEATABLE READ
+transaction that took its snapshot first and stays open for at least
+--hold seconds across the runs; afterwards that transaction's frontier and
+its rows at or below it are checked against what every later snapshot sees.
+Many streams: 16 clients, each the only writer of a stream of its own,
+against the floor with one sequence per client.
+
+Every ratio is computed round by round (each round measures the shape and
+its baseline back to back) and reported as the median of the rounds with
+their range (min-max), so that a cost smaller than the noise shows as a
+range that straddles 1.
 """
 import argparse
 import os
@@ -47,12 +58,6 @@ INSERT INTO b_syn_pos VALUES ('w' || :w, :new_id) ON CONFLICT (writer) DO UPDATE
     SET stream_id = EXCLUDED.stream_id WHERE b_syn_pos.stream_id < EXCLUDED.stream_id;
 COMMIT;
 """,
-    "synapse-after": f"""
-\\set w random(1, :writers)
-INSERT INTO b_after SELECT nextval('b_after_seq'), 'w' || :w, {PAYLOAD} RETURNING id AS new_id \\gset
-INSERT INTO b_after_pos VALUES ('w' || :w, :new_id) ON CONFLICT (writer) DO UPDATE
-    SET stream_id = EXCLUDED.stream_id WHERE b_after_pos.stream_id < EXCLUDED.stream_id;
-""",
 }
 
 READER_SHAPES = {
@@ -61,19 +66,46 @@ READER_SHAPES = {
     "current_room_token()": "SELECT streampos.current_room_token('bench');\n",
 }
 
+OLD_SNAPSHOT_WRITER = f"""
+\\set w random(1, 4)
+INSERT INTO b_os SELECT streampos.next_id('bench', 'w' || :w), 'w' || :w, {PAYLOAD};
+"""
+
+N_STREAMS = 16
+# pgbench numbers its clients from 0: client c writes stream (c % 16) + 1.
+MANY_STREAM_SHAPES = {
+    "floor": f"""
+\\set s :client_id % {N_STREAMS} + 1
+INSERT INTO b_ms SELECT nextval(('b_ms_seq_' || :s)::regclass), :s, {PAYLOAD};
+""",
+    "streampos": f"""
+\\set s :client_id % {N_STREAMS} + 1
+INSERT INTO b_ms SELECT streampos.next_id('ms' || :s, 'w1'), :s, {PAYLOAD};
+""",
+}
+
 SETUP = """
-DROP TABLE IF EXISTS b_floor, b_sp, b_syn, b_syn_pos, b_after, b_after_pos;
+DROP TABLE IF EXISTS b_floor, b_sp, b_syn, b_syn_pos, b_after, b_after_pos, b_os, b_ms;
 DROP SEQUENCE IF EXISTS b_floor_seq, b_syn_seq, b_after_seq;
 CREATE TABLE b_floor (id bigint, writer text, payload text);
 CREATE TABLE b_sp (id bigint, writer text, payload text);
 CREATE TABLE b_syn (id bigint, writer text, payload text);
-CREATE TABLE b_after (id bigint, writer text, payload text);
 CREATE TABLE b_syn_pos (writer text PRIMARY KEY, stream_id bigint NOT NULL);
-CREATE TABLE b_after_pos (writer text PRIMARY KEY, stream_id bigint NOT NULL);
+CREATE TABLE b_os (id bigint, writer text, payload text);
+CREATE TABLE b_ms (id bigint, stream int, payload text);
 CREATE SEQUENCE b_floor_seq;
 CREATE SEQUENCE b_syn_seq;
-CREATE SEQUENCE b_after_seq;
 """
+
+
+def spread(values):
+    """Median and range of per-round values."""
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt_ratio(values):
+    med, lo, hi = spread(values)
+    return f"{med:.2f} ({lo:.2f}–{hi:.2f})"
 
 
 class Bench:
@@ -96,12 +128,17 @@ class Bench:
         self.sql("CREATE EXTENSION IF NOT EXISTS streampos")
         self.sql(SETUP)
         with psycopg.connect(**self.conninfo, autocommit=True) as conn:
-            if not conn.execute("SELECT 1 FROM streampos.streams WHERE stream_name = 'bench'").fetchone():
-                conn.execute("SELECT streampos.create_stream('bench')")
+            for name in ["bench"] + [f"ms{i}" for i in range(1, N_STREAMS + 1)]:
+                if not conn.execute("SELECT 1 FROM streampos.streams WHERE stream_name = %s", (name,)).fetchone():
+                    conn.execute("SELECT streampos.create_stream(%s, writers => ARRAY['w1'])" if name.startswith("ms")
+                                 else "SELECT streampos.create_stream(%s)", (name,))
+            for i in range(1, N_STREAMS + 1):
+                conn.execute(f"DROP SEQUENCE IF EXISTS b_ms_seq_{i}")
+                conn.execute(f"CREATE SEQUENCE b_ms_seq_{i}")
         self.reset()
 
     def reset(self):
-        self.sql("TRUNCATE b_floor, b_sp, b_syn, b_after, b_syn_pos, b_after_pos")
+        self.sql("TRUNCATE b_floor, b_sp, b_syn, b_syn_pos, b_ms")
 
     def script(self, name, body):
         path = os.path.join(self.dir, re.sub(r"[^a-z0-9]+", "_", name.lower()) + ".sql")
@@ -123,8 +160,23 @@ class Bench:
         latency = float(re.search(r"latency average = ([0-9.]+) ms", out.stdout).group(1))
         return tps, latency
 
+    def with_load(self, load_script, load_clients, load_writers, script, clients, seconds):
+        """Run `script` while `load_script` runs (started 1 s before, ends 1 s
+        after); returns (measured, load) results."""
+        load_result = []
+        load = threading.Thread(
+            target=lambda: load_result.append(
+                self.pgbench(load_script, load_clients, seconds + 2, load_writers, True)
+            )
+        )
+        load.start()
+        time.sleep(1)
+        measured = self.pgbench(script, clients, seconds)
+        load.join()
+        return measured, load_result[0]
+
     def writer_cells(self):
-        cells = [(c, w, True) for c in (1, 8, 32) for w in (1, 4)]
+        cells = [(1, 1, True)] + [(c, w, True) for c in (8, 32) for w in (1, 4)]
         cells.append((32, 1, False))
         cells.append((32, 4, False))
         rows = []
@@ -136,11 +188,12 @@ class Bench:
                     results[name].append(
                         self.pgbench(self.script(name, body), clients, self.args.seconds, writers, sync)
                     )
-            floor = statistics.median(t for t, _ in results["floor"])
+            floor = [t for t, _ in results["floor"]]
             for name, runs in results.items():
                 tps = statistics.median(t for t, _ in runs)
                 lat = statistics.median(latency for _, latency in runs)
-                rows.append((clients, writers, "on" if sync else "off", name, tps, lat, tps / floor))
+                ratios = [t / f for (t, _), f in zip(runs, floor)]
+                rows.append((clients, writers, "on" if sync else "off", name, tps, lat, ratios))
             line = ", ".join(f"{n} {statistics.median(t for t, _ in r):.0f}" for n, r in results.items())
             print(f"  {clients} clients, {writers} writers, sync {sync}: {line}", flush=True)
         return rows
@@ -151,20 +204,106 @@ class Bench:
         for _ in range(self.args.rounds):
             for name, body in READER_SHAPES.items():
                 self.reset()
-                load = threading.Thread(
-                    target=self.pgbench, args=(writer_script, 8, self.args.seconds + 2, 4, True)
-                )
-                load.start()
-                time.sleep(1)
-                results[name].append(self.pgbench(self.script(name, body), 8, self.args.seconds))
-                load.join()
-        base = statistics.median(t for t, _ in results["SELECT 1"])
+                measured, _ = self.with_load(writer_script, 8, 4, self.script(name, body), 8, self.args.seconds)
+                results[name].append(measured)
+        base = [t for t, _ in results["SELECT 1"]]
         rows = []
         for name, runs in results.items():
             tps = statistics.median(t for t, _ in runs)
             lat = statistics.median(latency for _, latency in runs)
-            rows.append((label, name, tps, lat, tps / base))
+            rows.append((label, name, tps, lat, [t / b for (t, _), b in zip(runs, base)]))
         print(f"  readers ({label}): " + ", ".join(f"{r[1]} {r[2]:.0f}" for r in rows), flush=True)
+        return rows
+
+    def open_old_snapshot(self):
+        """A REPEATABLE READ transaction whose snapshot is taken now (its
+        first query), while no writer runs."""
+        conn = psycopg.connect(**self.conninfo)
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        max_id = conn.execute("SELECT coalesce(max(id), 0) FROM b_os").fetchone()[0]
+        return conn, max_id
+
+    def check_old_snapshot(self, conn, max_id_then):
+        """The old snapshot's first frontier, asked after the run, and its
+        rows at or below it: every row at or below it that any later
+        snapshot sees, it sees too."""
+        frontier = conn.execute("SELECT streampos.frontier('bench')").fetchone()[0]
+        seen_old = conn.execute("SELECT count(*) FROM b_os WHERE id <= %s", (frontier,)).fetchone()[0]
+        rows_then = conn.execute("SELECT count(*) FROM b_os").fetchone()[0]
+        conn.rollback()
+        conn.close()
+        with psycopg.connect(**self.conninfo, autocommit=True) as now:
+            seen_now = now.execute("SELECT count(*) FROM b_os WHERE id <= %s", (frontier,)).fetchone()[0]
+            total_now = now.execute("SELECT count(*) FROM b_os").fetchone()[0]
+        return dict(frontier=frontier, exact=max_id_then, rows_old=seen_old, rows_now=seen_now,
+                    correct=seen_old == seen_now and frontier <= max_id_then,
+                    commits_during=total_now - rows_then)
+
+    def old_snapshot_cell(self):
+        """Writers and readers without and with one old REPEATABLE READ
+        snapshot held across the runs, interleaved round by round."""
+        self.sql("TRUNCATE b_os")
+        writer_script = self.script("old snapshot writer", OLD_SNAPSHOT_WRITER)
+        seconds = self.args.seconds
+        readers = {(cond, name): [] for cond in ("without", "with") for name in READER_SHAPES}
+        writers = {key: [] for key in readers}
+        checks = []
+        for _ in range(self.args.rounds):
+            for cond in ("without", "with"):
+                old = None
+                if cond == "with":
+                    old = self.open_old_snapshot()
+                    held_since = time.monotonic()
+                    # Writers alone first: the snapshot is already old (and the
+                    # ring well filled) when the measured runs start.
+                    self.pgbench(writer_script, 4, self.args.prefill)
+                for name, body in READER_SHAPES.items():
+                    (r, _), (w, _) = self.with_load(
+                        writer_script, 4, 4, self.script(name, body), 4, seconds
+                    )
+                    readers[(cond, name)].append(r)
+                    writers[(cond, name)].append(w)
+                if old:
+                    left = self.args.hold - (time.monotonic() - held_since)
+                    if left > 0:
+                        self.pgbench(writer_script, 4, int(left + 0.999))
+                    check = self.check_old_snapshot(*old)
+                    check["held_s"] = time.monotonic() - held_since
+                    checks.append(check)
+        rows = []
+        for cond in ("without", "with"):
+            base = readers[(cond, "SELECT 1")]
+            for name in READER_SHAPES:
+                rtps = readers[(cond, name)]
+                wtps = writers[(cond, name)]
+                rows.append((
+                    cond, name, statistics.median(rtps), [r / b for r, b in zip(rtps, base)],
+                    statistics.median(wtps),
+                    [w / b for w, b in zip(wtps, writers[("without", name)])],
+                ))
+        print("  old snapshot: " + "; ".join(
+            f"{c} {n}: readers {fmt_ratio(r)}, writers {fmt_ratio(w)}" for c, n, _, r, _, w in rows
+        ), flush=True)
+        print(f"  old snapshot checks: {checks}", flush=True)
+        return rows, checks
+
+    def many_streams_cell(self):
+        results = {name: [] for name in MANY_STREAM_SHAPES}
+        for _ in range(self.args.rounds):
+            for name, body in MANY_STREAM_SHAPES.items():
+                self.reset()
+                results[name].append(
+                    self.pgbench(self.script("ms " + name, body), N_STREAMS, self.args.seconds)
+                )
+        floor = [t for t, _ in results["floor"]]
+        rows = []
+        for name, runs in results.items():
+            rows.append((
+                name, statistics.median(t for t, _ in runs),
+                statistics.median(latency for _, latency in runs),
+                [t / f for (t, _), f in zip(runs, floor)],
+            ))
+        print("  many streams: " + ", ".join(f"{n} {t:.0f}" for n, t, _, _ in rows), flush=True)
         return rows
 
 
@@ -175,8 +314,10 @@ def main():
     ap.add_argument("--dbname", default="streampos_bench")
     ap.add_argument("--seconds", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hold", type=int, default=30, help="old snapshot: seconds held open, at least")
+    ap.add_argument("--prefill", type=int, default=8, help="old snapshot: seconds of writers alone first")
     ap.add_argument("--pgbench", default="/usr/lib/postgresql/15/bin/pgbench")
-    ap.add_argument("--part", choices=["writers", "readers"], required=True)
+    ap.add_argument("--part", choices=["writers", "readers", "old-snapshot", "many-streams"], required=True)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -186,18 +327,45 @@ def main():
         if args.part == "writers":
             rows = bench.writer_cells()
             out.write("### Writers (TPS, median of interleaved rounds)\n\n")
-            out.write("| clients | writers | sync commit | shape | TPS | mean latency ms | ratio to floor |\n")
+            out.write("| clients | writers | sync commit | shape | TPS | mean latency ms | ratio to floor (range) |\n")
             out.write("|---|---|---|---|---|---|---|\n")
-            for c, w, s, name, tps, lat, ratio in rows:
-                out.write(f"| {c} | {w} | {s} | {name} | {tps:.0f} | {lat:.2f} | {ratio:.2f} |\n")
+            for c, w, s, name, tps, lat, ratios in rows:
+                out.write(f"| {c} | {w} | {s} | {name} | {tps:.0f} | {lat:.2f} | {fmt_ratio(ratios)} |\n")
             out.write("\n")
-        else:
+        elif args.part == "readers":
             rows = bench.reader_cells(args.label)
             out.write(f"### Readers, 8 clients, under 8 streampos writer clients ({args.label})\n\n")
-            out.write("| max_connections | shape | TPS | mean latency ms | ratio to SELECT 1 |\n")
+            out.write("| max_connections | shape | TPS | mean latency ms | ratio to SELECT 1 (range) |\n")
             out.write("|---|---|---|---|---|\n")
-            for label, name, tps, lat, ratio in rows:
-                out.write(f"| {label} | {name} | {tps:.0f} | {lat:.3f} | {ratio:.2f} |\n")
+            for label, name, tps, lat, ratios in rows:
+                out.write(f"| {label} | {name} | {tps:.0f} | {lat:.3f} | {fmt_ratio(ratios)} |\n")
+            out.write("\n")
+        elif args.part == "old-snapshot":
+            rows, checks = bench.old_snapshot_cell()
+            out.write("### Old snapshot: 4 writer + 4 reader clients, without and with one open REPEATABLE READ transaction\n\n")
+            out.write(f"The old transaction takes its snapshot first, then {args.prefill} s of writers alone, "
+                      f"then the reader shapes; held at least {args.hold} s.\n\n")
+            out.write("| old snapshot | reader shape | reader TPS | readers / SELECT 1 (range) | writer TPS | writers / without (range) |\n")
+            out.write("|---|---|---|---|---|---|\n")
+            for cond, name, rtps, rratios, wtps, wratios in rows:
+                out.write(f"| {cond} | {name} | {rtps:.0f} | {fmt_ratio(rratios)} | {wtps:.0f} | {fmt_ratio(wratios)} |\n")
+            out.write("\n")
+            out.write("The old snapshot's first frontier() after the run, and its rows at or below it:\n\n")
+            out.write("| held s | commits after its snapshot | its frontier | highest ID it sees | its rows ≤ frontier | rows ≤ frontier now | correct |\n")
+            out.write("|---|---|---|---|---|---|---|\n")
+            for c in checks:
+                out.write(f"| {c['held_s']:.0f} | {c['commits_during']} | {c['frontier']} | {c['exact']} | "
+                          f"{c['rows_old']} | {c['rows_now']} | {'yes' if c['correct'] else '**no**'} |\n")
+            out.write("\n")
+            if not all(c["correct"] for c in checks):
+                sys.exit("old snapshot: a frontier past a row the snapshot does not see")
+        else:
+            rows = bench.many_streams_cell()
+            out.write(f"### Many streams: {N_STREAMS} clients, each the only writer of its own stream\n\n")
+            out.write("| shape | TPS | mean latency ms | ratio to floor (range) |\n")
+            out.write("|---|---|---|---|\n")
+            for name, tps, lat, ratios in rows:
+                out.write(f"| {name} | {tps:.0f} | {lat:.2f} | {fmt_ratio(ratios)} |\n")
             out.write("\n")
 
 

@@ -13,12 +13,14 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
 use crate::error::Error;
+use crate::fast_hash::FastMap;
 use crate::{registry, sql};
 
 #[derive(Clone, Debug)]
@@ -52,8 +54,9 @@ impl StreamMeta {
 #[derive(Default)]
 struct Cache {
     generation: Option<u64>,
-    streams: HashMap<String, StreamMeta>,
-    instance_ids: HashMap<String, i32>,
+    /// Shared, not copied: every call of every function looks its stream up.
+    streams: FastMap<String, Rc<StreamMeta>>,
+    instance_ids: FastMap<String, i32>,
 }
 
 /// The OID of `streampos.streams` when the cache was last filled: its
@@ -190,11 +193,11 @@ fn load_stream(name: &str) -> Option<StreamMeta> {
 }
 
 /// The stream's catalog row, or 42704.
-pub fn stream(name: &str) -> Result<StreamMeta, Error> {
+pub fn stream(name: &str) -> Result<Rc<StreamMeta>, Error> {
     if let Some(meta) = with_cache(|c| c.streams.get(name).cloned()) {
         return Ok(meta);
     }
-    let meta = load_stream(name).ok_or_else(|| Error::UnknownStream(name.into()))?;
+    let meta = Rc::new(load_stream(name).ok_or_else(|| Error::UnknownStream(name.into()))?);
     // A snapshot older than the latest catalog change may have read a row
     // that is gone already: use it for this call only.
     if snapshot_sees_catalog(registry::caller_snapshot()) {
@@ -204,7 +207,7 @@ pub fn stream(name: &str) -> Result<StreamMeta, Error> {
 }
 
 /// Every stream of this database by registry key.
-pub fn streams_by_key() -> HashMap<i32, StreamMeta> {
+pub fn streams_by_key() -> HashMap<i32, Rc<StreamMeta>> {
     sql::stream_names()
         .iter()
         .filter_map(|n| stream(n).ok())

@@ -3,13 +3,14 @@
 //! the hot standby's answer, and which writers a token lists.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::rc::Rc;
 
 use pgrx::pg_sys;
 use streampos_core::frontier::{HeldBy, Holder, Positions};
 
 use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
+use crate::fast_hash::FastMap;
 use crate::registry;
 use crate::{guc, sequence, sql, worker};
 
@@ -18,7 +19,7 @@ pub const MAX_IDS_PER_CALL: i32 = 1_000_000;
 
 pub fn in_recovery() -> bool {
     // SAFETY: reads shared recovery state; raises no error.
-    unsafe { pg_sys::RecoveryInProgress() }
+    unsafe { crate::ffi::unguarded::RecoveryInProgress() }
 }
 
 /// The registry slot of a stream, loading its maximum allocated ID from the
@@ -96,7 +97,7 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     // Before anything is created or published: the caller must be allowed
     // to take the sequence's values, and the sequence must be permanent.
     sequence::check_may_allocate(meta.seq, stream);
-    sequence::check_usable(meta.seq);
+    let sequence = sequence::open_for_allocation(meta.seq);
     let instance = catalog::instance_id(writer).or_raise();
     if worker::ensure_running() {
         registry::prune_if_crowded().or_raise();
@@ -112,7 +113,7 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
         )
     });
     guc::test_pause_in_allocation();
-    let (mut ids, lsn) = sequence::next_values(meta.seq, n);
+    let (mut ids, lsn) = sequence.next_values(n);
     let first = ids.first().copied().unwrap_or(0);
     let last = ids.last().copied().unwrap_or(0);
     registry::finish_allocation(index, entry, first, last, n as i64, lsn).or_raise();
@@ -240,15 +241,16 @@ struct AnswerCache {
     /// The local transaction id the answers belong to.
     lxid: u32,
     /// By contents hash; collisions are told apart by the full contents.
-    entries: HashMap<u64, Vec<CacheEntry>>,
+    entries: FastMap<u64, Vec<CacheEntry>>,
     len: usize,
     clock: u64,
 }
 
 struct CacheEntry {
     contents: SnapshotContents,
-    /// (stream key, sequence) -> the answer.
-    answers: HashMap<(i32, pg_sys::Oid), Answer>,
+    /// (stream key, sequence) and the answer: a snapshot is asked about a
+    /// few streams at most, so a list is quicker than a map.
+    answers: Vec<((i32, pg_sys::Oid), Rc<Answer>)>,
     last_used: u64,
 }
 
@@ -261,7 +263,7 @@ const MAX_CACHED_SNAPSHOTS: usize = 8192;
 thread_local! {
     static ANSWERS: RefCell<AnswerCache> = RefCell::new(AnswerCache {
         lxid: 0,
-        entries: HashMap::new(),
+        entries: FastMap::default(),
         len: 0,
         clock: 0,
     });
@@ -278,7 +280,7 @@ impl AnswerCache {
         hash: u64,
         s: &pg_sys::SnapshotData,
         stream: (i32, pg_sys::Oid),
-    ) -> Option<Answer> {
+    ) -> Option<Rc<Answer>> {
         let lxid = current_lxid();
         if self.lxid != lxid {
             self.entries.clear();
@@ -293,7 +295,11 @@ impl AnswerCache {
             .iter_mut()
             .find(|e| e.contents.same_as(s))?;
         entry.last_used = clock;
-        entry.answers.get(&stream).cloned()
+        entry
+            .answers
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map(|(_, a)| a.clone())
     }
 
     fn put(
@@ -301,7 +307,7 @@ impl AnswerCache {
         hash: u64,
         s: &pg_sys::SnapshotData,
         stream: (i32, pg_sys::Oid),
-        answer: Answer,
+        answer: Rc<Answer>,
     ) {
         let clock = self.clock;
         if let Some(entry) = self
@@ -309,17 +315,16 @@ impl AnswerCache {
             .get_mut(&hash)
             .and_then(|v| v.iter_mut().find(|e| e.contents.same_as(s)))
         {
-            entry.answers.insert(stream, answer);
+            // Only called after `get` found no answer for this stream.
+            entry.answers.push((stream, answer));
             return;
         }
         if self.len >= MAX_CACHED_SNAPSHOTS {
             self.evict_least_recent();
         }
-        let mut answers = HashMap::new();
-        answers.insert(stream, answer);
         self.entries.entry(hash).or_default().push(CacheEntry {
             contents: SnapshotContents::of(s),
-            answers,
+            answers: vec![(stream, answer)],
             last_used: clock,
         });
         self.len += 1;
@@ -347,12 +352,12 @@ impl AnswerCache {
 /// computed in this transaction, so that every call with that snapshot
 /// (in one statement, across a cursor's fetches, in later statements of a
 /// REPEATABLE READ transaction) answers the same.
-pub fn answer(meta: &StreamMeta) -> Answer {
+pub fn answer(meta: &StreamMeta) -> Rc<Answer> {
     answer_for(meta, registry::caller_snapshot())
 }
 
 /// As `answer`, for an explicitly chosen snapshot.
-pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
+pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Rc<Answer> {
     // SAFETY: `snapshot` is a valid snapshot of this transaction.
     let s = unsafe { &*snapshot };
     let hash = contents_hash(s);
@@ -360,7 +365,7 @@ pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
     if let Some(a) = ANSWERS.with(|c| c.borrow_mut().get(hash, s, stream)) {
         return a;
     }
-    let a = fresh_answer(meta, snapshot);
+    let a = Rc::new(fresh_answer(meta, snapshot));
     ANSWERS.with(|c| c.borrow_mut().put(hash, s, stream, a.clone()));
     a
 }

@@ -1,6 +1,11 @@
-//! C functions that pgrx 0.18 does not bind, declared by hand. Each is
-//! exported by the PostgreSQL 15 server (or libc) with exactly this
-//! signature; the reason we call it is next to it.
+//! C functions declared by hand. Each is exported by the PostgreSQL 15
+//! server (or libc) with exactly this signature; the reason we call it is
+//! next to it.
+//!
+//! pgrx binds every server function behind a guard (a `sigsetjmp`, about 60
+//! instructions a call) that turns an ERROR into a Rust panic. The functions
+//! in `unguarded` cannot raise an ERROR, and they are on the paths of every
+//! allocation, commit and read, so they are called without it.
 
 extern "C-unwind" {
     /// `nextval` without the fmgr call (src/backend/commands/sequence.c):
@@ -21,4 +26,64 @@ extern "C" {
     /// libc `kill`: with signal 0 it only asks whether a process exists
     /// (a position worker's slot whose process died must be taken over).
     pub fn kill(pid: i32, sig: i32) -> i32;
+}
+
+/// Server functions that never raise an ERROR (nor FATAL); called without
+/// pgrx's guard. Only add a function here after reading its source: an
+/// ERROR raised through these calls would skip Rust frames.
+pub mod unguarded {
+    use pgrx::pg_sys::{
+        ConditionVariable, LWLock, LWLockMode, Oid, Snapshot, TimestampTz, XLogRecPtr,
+    };
+
+    extern "C-unwind" {
+        /// Raises an ERROR only with 200 LWLocks held at once (lwlock.c);
+        /// the registry takes one, and never while holding another.
+        pub fn LWLockAcquire(lock: *mut LWLock, mode: LWLockMode::Type) -> bool;
+        /// Raises an ERROR only for a lock not held: `Locked` releases the
+        /// one it acquired, once.
+        pub fn LWLockRelease(lock: *mut LWLock);
+        /// Reads shared state under a spinlock.
+        pub fn RecoveryInProgress() -> bool;
+        /// Reads the flush pointer under a spinlock.
+        pub fn GetFlushRecPtr(insert_tli: *mut u32) -> XLogRecPtr;
+        /// Reads the insert pointer under a spinlock.
+        pub fn GetXLogInsertRecPtr() -> XLogRecPtr;
+        /// Reads the clock.
+        pub fn GetCurrentTimestamp() -> TimestampTz;
+        /// Pops waiters and sets their latches.
+        pub fn ConditionVariableBroadcast(cv: *mut ConditionVariable);
+        /// Reads a backend-local pointer.
+        pub fn ActiveSnapshotSet() -> bool;
+        /// Reads a backend-local pointer (callers check `ActiveSnapshotSet`).
+        pub fn GetActiveSnapshot() -> Snapshot;
+        /// Reads a backend-local value.
+        pub fn GetUserId() -> Oid;
+        /// Reads a backend-local value.
+        pub fn GetCurrentTransactionStartTimestamp() -> TimestampTz;
+    }
+}
+
+/// Server functions that can raise an ERROR, declared without pgrx's guard
+/// so that several calls share one `pg_guard_ffi_boundary`. Call them only
+/// inside one, from a closure that owns nothing needing a drop: an ERROR
+/// jumps straight back to the boundary, over the closure's frame.
+pub mod in_boundary {
+    use pgrx::pg_sys::{BlockNumber, Buffer, ForkNumber, Oid, RelFileNode, Relation, LOCKMODE};
+
+    extern "C-unwind" {
+        pub fn relation_open(relid: Oid, lockmode: LOCKMODE) -> Relation;
+        pub fn relation_close(rel: Relation, lockmode: LOCKMODE);
+        pub fn ReadBuffer(rel: Relation, block: BlockNumber) -> Buffer;
+        /// Pins `recent` if it still holds the block (no buffer mapping
+        /// lookup); false otherwise.
+        pub fn ReadRecentBuffer(
+            rnode: RelFileNode,
+            fork: ForkNumber::Type,
+            block: BlockNumber,
+            recent: Buffer,
+        ) -> bool;
+        pub fn LockBuffer(buffer: Buffer, mode: i32);
+        pub fn UnlockReleaseBuffer(buffer: Buffer);
+    }
 }

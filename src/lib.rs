@@ -16,6 +16,7 @@
 //! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
 //! | `sql.rs` | every internal SQL statement (the one SPI boundary) |
 //! | `ffi.rs` | C functions declared by hand |
+//! | `fast_hash.rs` | the hasher of the per-backend caches |
 //! | `guc.rs`, `error.rs` | settings; every user-facing error with its SQLSTATE |
 
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -26,6 +27,7 @@ mod api;
 mod catalog;
 mod engine;
 mod error;
+mod fast_hash;
 mod ffi;
 mod guc;
 mod registry;

@@ -6,7 +6,9 @@
 use pgrx::pg_sys;
 
 use crate::error::Error;
-use crate::{ffi, sql};
+use crate::fast_hash::FastMap;
+use crate::ffi::{self, in_boundary};
+use crate::sql;
 
 /// The sequence's tuple (`FormData_pg_sequence_data`, commands/sequence.h).
 #[repr(C)]
@@ -89,7 +91,7 @@ pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
     let result = unsafe {
         pg_sys::pg_class_aclcheck(
             seq,
-            pg_sys::GetUserId(),
+            ffi::unguarded::GetUserId(),
             (pg_sys::ACL_USAGE | pg_sys::ACL_UPDATE) as pg_sys::AclMode,
         )
     };
@@ -102,25 +104,104 @@ pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
     }
 }
 
-/// `n` values of the sequence, and the end of the WAL record that makes
-/// them survive a crash: the LSN of the sequence's page after the last
-/// `nextval` (nextval logs 32 values ahead, whichever backend's call wrote
-/// it). Privileges were checked by `check_may_allocate`.
-pub fn next_values(seq: pg_sys::Oid, n: i32) -> (Vec<i64>, u64) {
-    let mut ids = Vec::with_capacity(n.max(0) as usize);
-    for _ in 0..n {
-        // SAFETY: `seq` is a usable sequence (checked); errors such as
-        // reaching MAXVALUE are PostgreSQL ERRORs crossing the boundary.
-        ids.push(unsafe {
-            pg_sys::ffi::pg_guard_ffi_boundary(|| ffi::nextval_internal(seq, false))
-        });
+/// A stream's sequence opened for one allocation: checked usable (a
+/// sequence, permanent), and locked as `nextval` locks it (RowExclusiveLock,
+/// kept until the transaction ends, as `nextval` keeps it; its own lock
+/// request then finds the lock held). One open serves the check and the
+/// WAL position read after `nextval`.
+pub struct ForAllocation {
+    rel: pg_sys::Relation,
+}
+
+thread_local! {
+    /// The buffer that held each sequence's page when this backend last
+    /// read its WAL position: `ReadRecentBuffer` pins it again without a
+    /// buffer mapping lookup when it still does (it checks).
+    static RECENT_PAGE: std::cell::RefCell<FastMap<pg_sys::Oid, pg_sys::Buffer>> =
+        std::cell::RefCell::new(FastMap::default());
+}
+
+/// Open `seq` to allocate from it, or raise the error `check_usable`
+/// raises. Privileges are checked by `check_may_allocate` first.
+pub fn open_for_allocation(seq: pg_sys::Oid) -> ForAllocation {
+    // SAFETY: opens and locks the relation (a dropped one is a PostgreSQL
+    // ERROR crossing the guarded boundary; the closure owns nothing to
+    // drop); a relation that is not usable is closed again before the error
+    // is raised.
+    let (kind, persistence, rel) = unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            let rel = in_boundary::relation_open(seq, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+            let kind = (*(*rel).rd_rel).relkind as u8;
+            let persistence = (*(*rel).rd_rel).relpersistence as u8;
+            if kind != pg_sys::RELKIND_SEQUENCE || persistence != pg_sys::RELPERSISTENCE_PERMANENT {
+                in_boundary::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+                return (kind, persistence, None);
+            }
+            (kind, persistence, Some(rel))
+        })
+    };
+    match rel {
+        Some(rel) => ForAllocation { rel },
+        None if kind != pg_sys::RELKIND_SEQUENCE => {
+            Error::NotASequence(sql::relation_name(seq)).report()
+        }
+        None => Error::NotPermanent {
+            seq: sql::relation_name(seq),
+            unlogged: persistence == pg_sys::RELPERSISTENCE_UNLOGGED,
+        }
+        .report(),
     }
-    let lsn = with_page(seq, Need::Permanent, |page| {
-        // SAFETY: `page` is the share-locked first page of the sequence.
-        let lsn = unsafe { (*page).pd_lsn };
-        (lsn.xlogid as u64) << 32 | lsn.xrecoff as u64
-    });
-    (ids, lsn)
+}
+
+impl ForAllocation {
+    /// `n` values of the sequence, and the end of the WAL record that makes
+    /// them survive a crash: the LSN of the sequence's page after the last
+    /// `nextval` (nextval logs 32 values ahead, whichever backend's call
+    /// wrote it). Closes the relation (the lock stays until the transaction
+    /// ends). On an ERROR the relation is closed by the abort.
+    pub fn next_values(self, n: i32) -> (Vec<i64>, u64) {
+        let mut ids = Vec::with_capacity(n.max(0) as usize);
+        let ids_out = &mut ids;
+        // SAFETY: `rel` is a usable sequence (checked), open and locked.
+        let relid = unsafe { (*self.rel).rd_id };
+        let recent = RECENT_PAGE.with(|r| r.borrow().get(&relid).copied());
+        // SAFETY: nextval's ERRORs (reaching MAXVALUE) and the buffer
+        // manager's cross the guarded boundary, and the closure owns nothing
+        // to drop (the IDs go to the caller's vector); block 0 of a sequence
+        // always exists, and its page is read while the buffer is pinned and
+        // share-locked.
+        let (lsn, buffer) = unsafe {
+            pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                for _ in 0..n {
+                    ids_out.push(ffi::nextval_internal(relid, false));
+                }
+                let buffer = match recent {
+                    Some(b)
+                        if in_boundary::ReadRecentBuffer(
+                            (*self.rel).rd_node,
+                            pg_sys::ForkNumber::MAIN_FORKNUM,
+                            0,
+                            b,
+                        ) =>
+                    {
+                        b
+                    }
+                    _ => in_boundary::ReadBuffer(self.rel, 0),
+                };
+                in_boundary::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+                let page = pg_sys::BufferBlocks.add((buffer as usize - 1) * pg_sys::BLCKSZ as usize)
+                    as *const pg_sys::PageHeaderData;
+                let lsn = (*page).pd_lsn;
+                in_boundary::UnlockReleaseBuffer(buffer);
+                in_boundary::relation_close(self.rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+                ((lsn.xlogid as u64) << 32 | lsn.xrecoff as u64, buffer)
+            })
+        };
+        if recent != Some(buffer) {
+            RECENT_PAGE.with(|r| r.borrow_mut().insert(relid, buffer));
+        }
+        (ids, lsn)
+    }
 }
 
 /// The highest value the sequence has handed out (internal numbering):

@@ -25,11 +25,17 @@ thread_local! {
 /// whether it checked (callers piggyback other once-a-second work on it).
 pub fn ensure_running() -> bool {
     // SAFETY: reads the clock; raises no error.
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let now = unsafe { crate::ffi::unguarded::GetCurrentTimestamp() };
     if now - LAST_CHECK.with(|c| c.get()) < 1_000_000 {
         return false;
     }
     LAST_CHECK.with(|c| c.set(now));
+    // A single-user backend (postgres --single) has no postmaster to start
+    // a worker: say nothing, and let writers prune (`prune_if_crowded`).
+    // SAFETY: a flag set once at process start.
+    if unsafe { !pg_sys::IsUnderPostmaster } {
+        return true;
+    }
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     if !registry::worker_needed(db) {

@@ -26,13 +26,13 @@ const MAX_ROWS: i32 = 10_000;
 /// commit that happens while we wait, so each check takes the latest
 /// snapshot and computes afresh; every later statement of the caller sees at
 /// least as much.
-fn answer_now(meta: &StreamMeta) -> engine::Answer {
+fn answer_now(meta: &StreamMeta) -> std::rc::Rc<engine::Answer> {
     // SAFETY: called inside a running transaction.
     unsafe {
         if pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 {
             engine::answer_for(meta, pg_sys::GetTransactionSnapshot())
         } else {
-            engine::fresh_answer(meta, pg_sys::GetLatestSnapshot())
+            std::rc::Rc::new(engine::fresh_answer(meta, pg_sys::GetLatestSnapshot()))
         }
     }
 }

@@ -8,9 +8,12 @@
 //! | `reading.rs` | frontier, max_allocated, writer_position(s), current_token, current_room_token, in_flight |
 //! | `follow.rs` | wait_for, updates |
 //! | `check.rs` | check_stream |
+//! | `lock_stats.rs` | lock_stats (bench builds with the feature `lock-stats` only) |
 
 mod check;
 mod follow;
+#[cfg(feature = "lock-stats")]
+mod lock_stats;
 mod reading;
 mod streams;
 mod writing;

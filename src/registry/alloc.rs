@@ -7,10 +7,13 @@ use std::ptr;
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
-use super::shmem::{self, Active, Finished, Locked, FREE_ACTIVE, HEADER, NAME_BYTES, SEEN_WRITERS};
+use super::shmem::{
+    self, Active, Finished, Locked, Section, FREE_ACTIVE, HEADER, NAME_BYTES, SEEN_WRITERS,
+};
 use super::streams::{matches, Stale};
 use super::visibility::{durable_lsn, fold_into_summary, latest_completed};
 use crate::error::Error;
+use crate::ffi::unguarded;
 
 /// True while this backend's current transaction holds entries: the commit
 /// and abort callbacks return at once otherwise.
@@ -37,51 +40,65 @@ pub fn begin_allocation(
 ) -> Result<Result<usize, Stale>, Error> {
     let slot_index = shmem::my_slot_index()?;
     register_exit_callback();
-    let mut name = [0u8; NAME_BYTES];
+    let stream_i32 = stream as i32;
+    // Everything but the lower bound is known before the lock.
+    let mut entry = Active {
+        stream: stream_i32,
+        instance,
+        min_id: 0,
+        max_id: 0,
+        count: 0,
+        xid,
+        pending: true,
+        // SAFETY: plain read of the transaction's start time.
+        since: unsafe { unguarded::GetCurrentTransactionStartTimestamp() },
+        lsn: 0,
+        name: [0; NAME_BYTES],
+    };
     let len = instance_name.len().min(NAME_BYTES - 1);
-    name[..len].copy_from_slice(&instance_name.as_bytes()[..len]);
-    let locked = Locked::acquire(true)?;
+    entry.name[..len].copy_from_slice(&instance_name.as_bytes()[..len]);
+    // SAFETY: process identity globals, set at backend start.
+    let (pid, db, role) = unsafe {
+        (
+            pg_sys::MyProcPid,
+            pg_sys::MyDatabaseId,
+            unguarded::GetUserId(),
+        )
+    };
+    let locked = Locked::acquire(Section::BeginAllocation)?;
     if !matches(&locked.streams()[stream], key, seq) {
         return Ok(Err(Stale));
     }
-    let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
-    let stream_i32 = stream as i32;
-    let slot = locked.slot(slot_index);
-    if let Some(i) = slot
+    if let Some(i) = locked
+        .entries_in_use(slot_index)
         .iter()
         .position(|a| a.stream == stream_i32 && a.instance == instance)
     {
         // The existing entry's minimum is already below anything new.
         return Ok(Ok(i));
     }
-    let Some(i) = slot.iter().position(|a| a.stream < 0) else {
+    let header = &mut locked.slot_headers()[slot_index];
+    let i = header.used as usize;
+    let slot = locked.slot(slot_index);
+    if i >= slot.len() {
         return Err(Error::RegistryFull {
             what: "entry for this transaction",
             guc: "streampos.max_streams_per_transaction",
         });
-    };
-    slot[i] = Active {
-        stream: stream_i32,
-        instance,
-        min_id: lower_bound,
-        max_id: lower_bound,
-        count: 0,
-        xid,
-        pending: true,
-        // SAFETY: plain read of the transaction's start time.
-        since: unsafe { pg_sys::GetCurrentTransactionStartTimestamp() },
-        lsn: 0,
-        name,
-    };
-    let header = &mut locked.slot_headers()[slot_index];
-    // SAFETY: process identity globals, set at backend start.
-    unsafe {
-        header.pid = pg_sys::MyProcPid;
-        header.db = pg_sys::MyDatabaseId;
-        header.role = pg_sys::GetUserId();
-        HOLDING = true;
     }
+    let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
+    entry.min_id = lower_bound;
+    entry.max_id = lower_bound;
+    slot[i] = entry;
+    header.pid = pid;
+    header.db = db;
+    header.role = role;
+    // SAFETY: backend-local flag.
+    unsafe { HOLDING = true };
     header.used += 1;
+    if header.used == 1 {
+        locked.activate_slot(slot_index);
+    }
     Ok(Ok(i))
 }
 
@@ -96,7 +113,7 @@ pub fn finish_allocation(
     lsn: u64,
 ) -> Result<(), Error> {
     let slot_index = shmem::my_slot_index()?;
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::FinishAllocation)?;
     let a = &mut locked.slot(slot_index)[entry];
     if a.pending && first < a.min_id {
         // The sequence went backwards (setval, or a cache > 1): a reader may
@@ -148,12 +165,13 @@ pub fn end_transaction(committed: bool) {
             // that failed before recording its WAL position is covered by
             // flushing everything inserted so far.
             let needed = own_slot_lsn_needed(procno as usize);
-            if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
+            if needed > unguarded::GetFlushRecPtr(ptr::null_mut()) {
                 pg_sys::XLogFlush(needed);
             }
         }
-        let durable = durable_lsn();
-        let locked = Locked::acquire_raw(HEADER, true);
+        // Only an abort's entries are kept or dropped by durability.
+        let durable = if committed { 0 } else { durable_lsn() };
+        let locked = Locked::acquire_raw(HEADER, Section::EndTransaction);
         let h = locked.h();
         // Read under the lock, after our own end: every snapshot whose xmax
         // is past it + 1 was taken after this push (see visibility.rs).
@@ -162,10 +180,7 @@ pub fn end_transaction(committed: bool) {
         let mut woken = [usize::MAX; 16];
         let mut n_woken = 0;
         let mut wake_all = false;
-        for a in locked.slot(procno as usize).iter_mut() {
-            if a.stream < 0 {
-                continue;
-            }
+        for a in locked.entries_in_use(procno as usize).iter_mut() {
             let stream = a.stream as usize;
             if !woken[..n_woken].contains(&stream) {
                 if n_woken < woken.len() {
@@ -178,7 +193,7 @@ pub fn end_transaction(committed: bool) {
             // An allocation that failed before recording its WAL position
             // is held until everything inserted so far is durable.
             let lsn = if a.pending {
-                pg_sys::GetXLogInsertRecPtr()
+                unguarded::GetXLogInsertRecPtr()
             } else {
                 a.lsn
             };
@@ -215,7 +230,12 @@ pub fn end_transaction(committed: bool) {
             s.generation += 1;
             *a = FREE_ACTIVE;
         }
-        locked.slot_headers()[procno as usize].used = 0;
+        let header = &mut locked.slot_headers()[procno as usize];
+        let was_active = header.used > 0;
+        header.used = 0;
+        if was_active {
+            locked.deactivate_slot(procno as usize);
+        }
         let streams = locked.streams().as_mut_ptr();
         let n_streams = h.n_streams as usize;
         drop(locked);
@@ -223,11 +243,11 @@ pub fn end_transaction(committed: bool) {
         // sleepers costs one spinlock.
         if wake_all {
             for i in 0..n_streams {
-                pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+                unguarded::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
             }
         } else {
             for &i in &woken[..n_woken] {
-                pg_sys::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+                unguarded::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
             }
         }
     }
@@ -254,7 +274,7 @@ pub fn flush_before_commit() {
             return;
         }
         let needed = own_slot_lsn_needed(procno as usize);
-        if needed > pg_sys::GetFlushRecPtr(ptr::null_mut()) {
+        if needed > unguarded::GetFlushRecPtr(ptr::null_mut()) {
             pg_sys::XLogFlush(needed);
         }
     }
@@ -273,7 +293,7 @@ unsafe fn own_slot_lsn_needed(slot: usize) -> u64 {
             .filter(|a| a.stream >= 0)
             .map(|a| {
                 if a.pending {
-                    pg_sys::GetXLogInsertRecPtr()
+                    unguarded::GetXLogInsertRecPtr()
                 } else {
                     a.lsn
                 }
@@ -320,14 +340,13 @@ pub struct InFlight {
 
 /// Every allocation of a transaction that has not ended, in any database.
 pub fn in_flight() -> Result<Vec<InFlight>, Error> {
-    let locked = Locked::acquire(false)?;
+    let locked = Locked::acquire(Section::OtherShared)?;
     let streams = locked.streams();
     let mut rows = Vec::new();
-    for (slot_index, header) in locked.slot_headers().iter().enumerate() {
-        if header.used == 0 {
-            continue;
-        }
-        for a in locked.slot(slot_index).iter().filter(|a| a.stream >= 0) {
+    for &slot_index in locked.active_slots() {
+        let slot_index = slot_index as usize;
+        let header = &locked.slot_headers()[slot_index];
+        for a in locked.entries_in_use(slot_index).iter() {
             let s = &streams[a.stream as usize];
             rows.push(InFlight {
                 db: s.db,

@@ -10,12 +10,17 @@
 //! | `visibility.rs` | what a snapshot must treat as in flight: slots, finished ring, summary, pruning |
 //! | `wait.rs` | followers' condition variables |
 //! | `workers.rs` | position-worker slots |
+//! | `lock_stats.rs` | lock hold and wait times per section (feature `lock-stats`, bench builds only) |
 //!
 //! One LWLock guards it all. Writers hold it exclusively for a few hundred
 //! nanoseconds twice per allocation and once per commit; readers hold it
-//! shared while scanning. The sequence's own lock, not ours, orders IDs.
+//! shared while scanning the active backend slots and the newest ring
+//! entries. The sequence's own lock, not ours, orders IDs. Measured hold
+//! times and what they mean on many cores: docs/performance.md.
 
 mod alloc;
+#[cfg(feature = "lock-stats")]
+pub mod lock_stats;
 mod shmem;
 mod streams;
 mod visibility;

@@ -6,7 +6,7 @@
 
 use std::ffi::CStr;
 use std::ptr;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
@@ -26,6 +26,9 @@ pub const MAX_DATABASES: usize = 64;
 #[repr(C)]
 pub(super) struct Header {
     pub lock: *mut pg_sys::LWLock,
+    /// Where each region starts, computed once at start-up (every lock
+    /// section reads several).
+    pub offsets: Layout,
     pub n_streams: u32,
     pub ring_cap: u32,
     pub n_slots: u32,
@@ -34,12 +37,20 @@ pub(super) struct Header {
     /// oldest entry, `ring_used` the number of entries.
     pub ring_head: u32,
     pub ring_used: u32,
+    /// How many backend slots hold entries: the first `n_active` of the
+    /// active list. Readers visit only those, so their work does not grow
+    /// with `max_connections`.
+    pub n_active: u32,
     /// The highest `lsn` ever pushed (for `Finished::lsn_prefix_max`).
     pub ring_lsn_max: u64,
     /// The highest durable WAL position ever seen (see
     /// `visibility::durable_lsn`): what was final stays final when
     /// synchronous standbys are configured later.
     pub durable_high_water: AtomicU64,
+    /// A sequence counter (seqlock) that lets readers copy what they need
+    /// without the lock: odd while an exclusive section runs, and moved by
+    /// every one. See `Raw`.
+    pub changes: AtomicU64,
     pub catalog: CatalogSync,
     pub workers: [WorkerSlot; MAX_DATABASES],
 }
@@ -183,13 +194,20 @@ pub(super) struct SlotHeader {
     /// The role the backend allocated as (for `in_flight()`'s privacy).
     pub role: pg_sys::Oid,
     pub used: u32,
+    /// While `used > 0`: this slot's place in the active list.
+    pub active_at: u32,
 }
 
+#[repr(C)]
+#[derive(Clone, Copy)]
 pub(super) struct Layout {
     pub streams: usize,
     pub ring: usize,
     pub slot_headers: usize,
+    pub active: usize,
     pub entries: usize,
+    #[cfg(feature = "lock-stats")]
+    pub lock_stats: usize,
     pub total: usize,
 }
 
@@ -201,13 +219,19 @@ pub(super) fn layout(n_streams: usize, ring_cap: usize, n_slots: usize, per_slot
     let streams = align8(size_of::<Header>());
     let ring = streams + align8(n_streams * size_of::<StreamState>());
     let slot_headers = ring + align8(ring_cap * size_of::<Finished>());
-    let entries = slot_headers + align8(n_slots * size_of::<SlotHeader>());
+    let active = slot_headers + align8(n_slots * size_of::<SlotHeader>());
+    let entries = active + align8(n_slots * size_of::<u32>());
     let total = entries + align8(n_slots * per_slot * size_of::<Active>());
+    #[cfg(feature = "lock-stats")]
+    let (lock_stats, total) = (total, total + super::lock_stats::bytes(n_slots));
     Layout {
         streams,
         ring,
         slot_headers,
+        active,
         entries,
+        #[cfg(feature = "lock-stats")]
+        lock_stats,
         total,
     }
 }
@@ -291,6 +315,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             for i in 0..n_streams {
                 pg_sys::ConditionVariableInit(&mut (*streams.add(i)).cv);
             }
+            (*header).offsets = l;
             (*header).n_streams = n_streams as u32;
             (*header).ring_cap = ring_cap as u32;
             (*header).n_slots = n_slots as u32;
@@ -305,11 +330,75 @@ unsafe extern "C-unwind" fn shmem_startup() {
     }
 }
 
+/// What the registry lock is taken for: the mode, and (with the feature
+/// `lock-stats`) where its hold time is counted.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Section {
+    /// Publish an allocation's lower bound (exclusive).
+    BeginAllocation,
+    /// Record the IDs `nextval` handed out (exclusive).
+    FinishAllocation,
+    /// Move a transaction's entries to the finished ring (exclusive).
+    EndTransaction,
+    /// A reader collects what its snapshot treats as in flight (shared).
+    View,
+    /// Forget finished entries every snapshot sees (exclusive).
+    Prune,
+    /// A stream's generation, for followers and the worker (shared).
+    Generation,
+    /// Anything else, rare: stream lookup and loading, worker slots,
+    /// `in_flight()`.
+    OtherShared,
+    OtherExclusive,
+}
+
+impl Section {
+    #[cfg(feature = "lock-stats")]
+    pub const ALL: [Section; 8] = [
+        Section::BeginAllocation,
+        Section::FinishAllocation,
+        Section::EndTransaction,
+        Section::View,
+        Section::Prune,
+        Section::Generation,
+        Section::OtherShared,
+        Section::OtherExclusive,
+    ];
+
+    #[cfg(feature = "lock-stats")]
+    pub fn name(self) -> &'static str {
+        match self {
+            Section::BeginAllocation => "begin_allocation",
+            Section::FinishAllocation => "finish_allocation",
+            Section::EndTransaction => "end_transaction",
+            Section::View => "view",
+            Section::Prune => "prune",
+            Section::Generation => "generation",
+            Section::OtherShared => "other (shared)",
+            Section::OtherExclusive => "other (exclusive)",
+        }
+    }
+
+    pub fn exclusive(self) -> bool {
+        matches!(
+            self,
+            Section::BeginAllocation
+                | Section::FinishAllocation
+                | Section::EndTransaction
+                | Section::Prune
+                | Section::OtherExclusive
+        )
+    }
+}
+
 /// A view of the registry while its lock is held. Dropping it releases the
 /// lock, so an ERROR raised while it is alive cannot leave the lock held
 /// (PostgreSQL also releases LWLocks on abort).
 pub(super) struct Locked {
     header: *mut Header,
+    exclusive: bool,
+    #[cfg(feature = "lock-stats")]
+    timing: super::lock_stats::Timing,
 }
 
 // The accessors hand out `&mut` views of shared memory from `&self`: the
@@ -318,7 +407,7 @@ pub(super) struct Locked {
 // keeps two views of the same region alive at once.
 #[allow(clippy::mut_from_ref)]
 impl Locked {
-    pub fn acquire(exclusive: bool) -> Result<Locked, Error> {
+    pub fn acquire(section: Section) -> Result<Locked, Error> {
         // SAFETY: HEADER is written once per process at shared memory
         // start-up, before any SQL can run.
         let header = unsafe { HEADER };
@@ -326,21 +415,38 @@ impl Locked {
             return Err(Error::NotLoaded);
         }
         // SAFETY: a non-null HEADER is the initialised registry.
-        Ok(unsafe { Self::acquire_raw(header, exclusive) })
+        Ok(unsafe { Self::acquire_raw(header, section) })
     }
 
     /// # Safety
     /// `header` must be the initialised registry.
-    pub unsafe fn acquire_raw(header: *mut Header, exclusive: bool) -> Locked {
-        let mode = if exclusive {
+    pub unsafe fn acquire_raw(header: *mut Header, section: Section) -> Locked {
+        let mode = if section.exclusive() {
             pg_sys::LWLockMode::LW_EXCLUSIVE
         } else {
             pg_sys::LWLockMode::LW_SHARED
         };
+        #[cfg(feature = "lock-stats")]
+        let asked = super::lock_stats::now();
         // SAFETY: the caller guarantees `header` is initialised, so its lock
-        // points into the named tranche.
-        unsafe { pg_sys::LWLockAcquire((*header).lock, mode) };
-        Locked { header }
+        // points into the named tranche; LWLockAcquire raises no ERROR here
+        // (see `ffi::unguarded`).
+        unsafe { crate::ffi::unguarded::LWLockAcquire((*header).lock, mode) };
+        let exclusive = section.exclusive();
+        if exclusive {
+            // SAFETY: as above; only the holder of the exclusive lock writes
+            // the counter.
+            let changes = unsafe { &(*header).changes };
+            changes.store(changes.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            // The odd value is visible before anything this section writes.
+            fence(Ordering::Release);
+        }
+        Locked {
+            header,
+            exclusive,
+            #[cfg(feature = "lock-stats")]
+            timing: super::lock_stats::Timing::acquired(section, asked),
+        }
     }
 
     pub fn h(&self) -> &mut Header {
@@ -352,14 +458,8 @@ impl Locked {
         self.header as *mut u8
     }
 
-    fn layout(&self) -> Layout {
-        let h = self.h();
-        layout(
-            h.n_streams as usize,
-            h.ring_cap as usize,
-            h.n_slots as usize,
-            h.per_slot as usize,
-        )
+    fn layout(&self) -> &Layout {
+        &self.h().offsets
     }
 
     pub fn streams(&self) -> &mut [StreamState] {
@@ -382,6 +482,44 @@ impl Locked {
         }
     }
 
+    /// The slots that hold entries (the first `n_active` of the active
+    /// list), in no particular order.
+    pub fn active_slots(&self) -> &[u32] {
+        let n = self.h().n_active as usize;
+        // SAFETY: as for `streams`, for the first `n_active` (at most
+        // `n_slots`) entries of the active list.
+        unsafe {
+            std::slice::from_raw_parts(self.base().add(self.layout().active) as *const u32, n)
+        }
+    }
+
+    /// Add slot `index` to the active list (its first entry was created).
+    pub fn activate_slot(&self, index: usize) {
+        let h = self.h();
+        let at = h.n_active as usize;
+        // SAFETY: at most `n_slots` slots are active, so `at < n_slots`:
+        // inside the active list.
+        unsafe { *(self.base().add(self.layout().active) as *mut u32).add(at) = index as u32 };
+        self.slot_headers()[index].active_at = at as u32;
+        h.n_active += 1;
+    }
+
+    /// Remove slot `index` from the active list (its entries are gone):
+    /// the last active slot takes its place.
+    pub fn deactivate_slot(&self, index: usize) {
+        let h = self.h();
+        let at = self.slot_headers()[index].active_at as usize;
+        let last = h.n_active as usize - 1;
+        // SAFETY: `at` and `last` are below `n_active`, inside the list.
+        unsafe {
+            let list = self.base().add(self.layout().active) as *mut u32;
+            let moved = *list.add(last);
+            *list.add(at) = moved;
+            self.slot_headers()[moved as usize].active_at = at as u32;
+        }
+        h.n_active -= 1;
+    }
+
     pub fn slot_headers(&self) -> &mut [SlotHeader] {
         let n = self.h().n_slots as usize;
         // SAFETY: as for `streams`, for the `n_slots` slot headers.
@@ -391,6 +529,14 @@ impl Locked {
                 n,
             )
         }
+    }
+
+    /// The entries of backend slot `index` that hold something: a
+    /// transaction's entries are created one after the other and all freed
+    /// at its end, so they are the first `used`.
+    pub fn entries_in_use(&self, index: usize) -> &mut [Active] {
+        let used = self.slot_headers()[index].used as usize;
+        &mut self.slot(index)[..used]
     }
 
     /// The entries of backend slot `index` (< `n_slots`).
@@ -408,8 +554,218 @@ impl Locked {
 
 impl Drop for Locked {
     fn drop(&mut self) {
-        // SAFETY: this guard acquired the lock of an initialised header.
-        unsafe { pg_sys::LWLockRelease((*self.header).lock) };
+        if self.exclusive {
+            let changes = &self.h().changes;
+            // Even again, after everything this section wrote.
+            changes.store(changes.load(Ordering::Relaxed) + 1, Ordering::Release);
+        }
+        #[cfg(feature = "lock-stats")]
+        let held = self.timing.held_ns();
+        // SAFETY: this guard acquired the lock of an initialised header;
+        // LWLockRelease raises no ERROR for a lock held (`ffi::unguarded`).
+        unsafe { crate::ffi::unguarded::LWLockRelease((*self.header).lock) };
+        #[cfg(feature = "lock-stats")]
+        // SAFETY: the layout has the statistics when the feature is on.
+        unsafe {
+            super::lock_stats::record(self.header, self.layout().lock_stats, &self.timing, held)
+        };
+    }
+}
+
+/// Read-only access to the registry without its lock, for readers (see
+/// `visibility::view`): a seqlock. A reader notes `changes` (even: no
+/// exclusive section running), copies what it needs with volatile reads,
+/// and keeps the copy only if `changes` has not moved meanwhile; otherwise
+/// it tries again, and after a few tries takes the lock shared. Nothing
+/// here makes a reference into shared memory, and every index read from it
+/// is bounded, so a copy torn by a concurrent writer is only ever thrown
+/// away.
+#[derive(Clone, Copy)]
+pub(super) struct Raw {
+    header: *mut Header,
+}
+
+/// The fields of a backend slot entry that readers use.
+#[derive(Clone, Copy)]
+pub(super) struct EntryCopy {
+    pub stream: i32,
+    pub instance: i32,
+    pub min_id: i64,
+    pub xid: TransactionId,
+    pub pending: bool,
+    pub lsn: u64,
+}
+
+/// The fields of a stream state that readers use.
+#[derive(Clone, Copy)]
+pub(super) struct StreamCopy {
+    pub in_use: bool,
+    pub loaded: bool,
+    pub db: pg_sys::Oid,
+    pub key: i32,
+    pub seq: pg_sys::Oid,
+    pub max_allocated: i64,
+    pub summary_valid: bool,
+    pub summary_min_id: i64,
+    pub summary_latest_completed: TransactionId,
+    pub summary_lsn: u64,
+    pub n_seen: usize,
+}
+
+impl Raw {
+    pub fn get() -> Result<Raw, Error> {
+        // SAFETY: HEADER is written once per process at start-up.
+        let header = unsafe { HEADER };
+        if header.is_null() {
+            Err(Error::NotLoaded)
+        } else {
+            Ok(Raw { header })
+        }
+    }
+
+    fn h(&self) -> *const Header {
+        self.header
+    }
+
+    /// The seqlock counter at the start of a copy (odd: try again).
+    pub fn begin_read(&self) -> u64 {
+        // SAFETY: the header is initialised; the counter is an atomic.
+        unsafe { (*self.h()).changes.load(Ordering::Acquire) }
+    }
+
+    /// Did no exclusive section run since `begin_read` returned `seen`?
+    pub fn still(&self, seen: u64) -> bool {
+        fence(Ordering::Acquire);
+        // SAFETY: as in `begin_read`.
+        unsafe { (*self.h()).changes.load(Ordering::Relaxed) == seen }
+    }
+
+    /// Volatile read of a field of shared memory.
+    ///
+    /// # Safety
+    /// `p` points into the initialised registry, to a value for which every
+    /// bit pattern a writer may leave is valid (plain integers, and bools,
+    /// which are written whole).
+    unsafe fn read<T: Copy>(p: *const T) -> T {
+        // SAFETY: forwarded from the caller.
+        unsafe { std::ptr::read_volatile(p) }
+    }
+
+    /// Sizes fixed at start-up.
+    fn dims(&self) -> (usize, usize, usize, usize) {
+        // SAFETY: written once at start-up, before any reader.
+        unsafe {
+            let h = &*self.h();
+            (
+                h.n_streams as usize,
+                h.n_slots as usize,
+                h.per_slot as usize,
+                h.ring_cap as usize,
+            )
+        }
+    }
+
+    pub fn n_streams(&self) -> usize {
+        self.dims().0
+    }
+
+    fn offsets(&self) -> Layout {
+        // SAFETY: written once at start-up, before any reader.
+        unsafe { (*self.h()).offsets }
+    }
+
+    /// State `index` (< n_streams, checked by the caller).
+    pub fn stream(&self, index: usize) -> StreamCopy {
+        // SAFETY: `index` is below n_streams, so the pointer is inside the
+        // stream states; the fields are integers and bools.
+        unsafe {
+            let s = (self.header as *const u8).add(self.offsets().streams) as *const StreamState;
+            let s = s.add(index);
+            StreamCopy {
+                in_use: Self::read(&raw const (*s).in_use),
+                loaded: Self::read(&raw const (*s).loaded),
+                db: Self::read(&raw const (*s).db),
+                key: Self::read(&raw const (*s).key),
+                seq: Self::read(&raw const (*s).seq),
+                max_allocated: Self::read(&raw const (*s).max_allocated),
+                summary_valid: Self::read(&raw const (*s).summary.valid),
+                summary_min_id: Self::read(&raw const (*s).summary.min_id),
+                summary_latest_completed: Self::read(&raw const (*s).summary.latest_completed),
+                summary_lsn: Self::read(&raw const (*s).summary.lsn),
+                n_seen: (Self::read(&raw const (*s).n_seen) as usize).min(SEEN_WRITERS),
+            }
+        }
+    }
+
+    /// The first `n` (at most SEEN_WRITERS) writers seen of state `index`.
+    pub fn seen(&self, index: usize, out: &mut [i32; SEEN_WRITERS], n: usize) {
+        // SAFETY: as in `stream`; `n` is bounded by the array.
+        unsafe {
+            let s = (self.header as *const u8).add(self.offsets().streams) as *const StreamState;
+            let seen = &raw const (*s.add(index)).seen;
+            for (k, w) in out.iter_mut().enumerate().take(n.min(SEEN_WRITERS)) {
+                *w = Self::read((seen as *const i32).add(k));
+            }
+        }
+    }
+
+    /// The active slots: calls `f` with each slot index (< n_slots) and
+    /// the number of entries in use (<= per slot).
+    pub fn for_each_active(&self, mut f: impl FnMut(usize, usize)) {
+        let (_, n_slots, per_slot, _) = self.dims();
+        let l = self.offsets();
+        // SAFETY: every index read is checked against n_slots before use;
+        // the active list and slot headers hold n_slots entries each.
+        unsafe {
+            let base = self.header as *const u8;
+            let n = (Self::read(&raw const (*self.h()).n_active) as usize).min(n_slots);
+            let list = base.add(l.active) as *const u32;
+            let headers = base.add(l.slot_headers) as *const SlotHeader;
+            for k in 0..n {
+                let slot = Self::read(list.add(k)) as usize;
+                if slot < n_slots {
+                    let used = Self::read(&raw const (*headers.add(slot)).used) as usize;
+                    f(slot, used.min(per_slot));
+                }
+            }
+        }
+    }
+
+    /// Entry `k` of slot `slot` (both bounded by the caller).
+    pub fn entry(&self, slot: usize, k: usize) -> EntryCopy {
+        let (_, _, per_slot, _) = self.dims();
+        // SAFETY: slot < n_slots and k < per_slot (from `for_each_active`):
+        // inside the entries; the fields are integers and bools.
+        unsafe {
+            let a = ((self.header as *const u8).add(self.offsets().entries) as *const Active)
+                .add(slot * per_slot + k);
+            EntryCopy {
+                stream: Self::read(&raw const (*a).stream),
+                instance: Self::read(&raw const (*a).instance),
+                min_id: Self::read(&raw const (*a).min_id),
+                xid: Self::read(&raw const (*a).xid),
+                pending: Self::read(&raw const (*a).pending),
+                lsn: Self::read(&raw const (*a).lsn),
+            }
+        }
+    }
+
+    /// The finished ring from its newest entry back, while `f` returns true.
+    pub fn ring_newest_first(&self, mut f: impl FnMut(Finished) -> bool) {
+        let (_, _, _, cap) = self.dims();
+        // SAFETY: positions are reduced modulo the ring's capacity and the
+        // count bounded by it; a `Finished` holds integers and a bool.
+        unsafe {
+            let h = self.h();
+            let head = Self::read(&raw const (*h).ring_head) as usize % cap;
+            let used = (Self::read(&raw const (*h).ring_used) as usize).min(cap);
+            let ring = (self.header as *const u8).add(self.offsets().ring) as *const Finished;
+            for k in (0..used).rev() {
+                if !f(Self::read(ring.add((head + k) % cap))) {
+                    break;
+                }
+            }
+        }
     }
 }
 
@@ -424,12 +780,7 @@ pub(super) unsafe fn own_slot_unlocked(slot: usize) -> &'static [Active] {
     // sees this backend's own writes.
     unsafe {
         let h = &*HEADER;
-        let l = layout(
-            h.n_streams as usize,
-            h.ring_cap as usize,
-            h.n_slots as usize,
-            h.per_slot as usize,
-        );
+        let l = &h.offsets;
         let per = h.per_slot as usize;
         let entries = (HEADER as *const u8).add(l.entries) as *const Active;
         std::slice::from_raw_parts(entries.add(slot * per), per)

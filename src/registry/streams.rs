@@ -4,15 +4,15 @@
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, StreamState, SEEN_WRITERS};
+use super::shmem::{Locked, Section, StreamState, SEEN_WRITERS};
 use crate::error::Error;
 
 thread_local! {
     /// Stream key -> state index, for streams known to be loaded. Validated
     /// under the lock by every user (`matches`), so a stale entry costs a
     /// retry, never a wrong answer.
-    static INDEX_CACHE: std::cell::RefCell<std::collections::HashMap<i32, usize>> =
-        std::cell::RefCell::new(std::collections::HashMap::new());
+    static INDEX_CACHE: std::cell::RefCell<crate::fast_hash::FastMap<i32, usize>> =
+        std::cell::RefCell::new(crate::fast_hash::FastMap::default());
     /// Set from an invalidation callback, which must not touch the cache.
     static INDEX_CACHE_STALE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
@@ -64,7 +64,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
     {
-        let locked = Locked::acquire(false)?;
+        let locked = Locked::acquire(Section::OtherShared)?;
         if let Some(i) = locked
             .streams()
             .iter()
@@ -73,11 +73,14 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
             return Ok((i, locked.streams()[i].loaded));
         }
     }
-    let full = Locked::acquire(false)?.streams().iter().all(|s| s.in_use);
+    let full = Locked::acquire(Section::OtherShared)?
+        .streams()
+        .iter()
+        .all(|s| s.in_use);
     if full {
         forget_dropped_databases()?;
     }
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::OtherExclusive)?;
     let streams = locked.streams();
     if let Some(i) = streams.iter().position(|s| is_state_of(s, key, seq)) {
         return Ok((i, streams[i].loaded));
@@ -122,7 +125,7 @@ fn forget_dropped_databases() -> Result<(), Error> {
     if existing.is_empty() {
         return Ok(());
     }
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::OtherExclusive)?;
     for s in locked.streams().iter_mut() {
         if s.in_use && !existing.contains(&s.db) {
             s.dropped = true;
@@ -140,14 +143,17 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
         .filter(|(_, s)| s.in_use && s.dropped)
         .map(|(i, _)| i)
         .collect();
-    let h = locked.h();
     'next: for i in candidates {
         let i32_index = i as i32;
         if locked.ring_entries().any(|f| f.stream == i32_index) {
             continue;
         }
-        for slot in 0..h.n_slots as usize {
-            if locked.slot(slot).iter().any(|a| a.stream == i32_index) {
+        for &slot in locked.active_slots() {
+            if locked
+                .entries_in_use(slot as usize)
+                .iter()
+                .any(|a| a.stream == i32_index)
+            {
                 continue 'next;
             }
         }
@@ -163,7 +169,7 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
 /// `stored_writers`: instances with a stored position, remembered as seen
 /// so that tokens list them without reading the table on every call.
 pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> Result<(), Error> {
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::OtherExclusive)?;
     let s = &mut locked.streams()[index];
     if !s.loaded {
         s.loaded = true;
@@ -182,7 +188,7 @@ pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> R
 pub fn mark_dropped(key: i32) -> Result<(), Error> {
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::OtherExclusive)?;
     for s in locked.streams().iter_mut() {
         if s.in_use && s.db == db && s.key == key {
             s.dropped = true;
@@ -194,7 +200,7 @@ pub fn mark_dropped(key: i32) -> Result<(), Error> {
 /// After `check_stream(…, repair => true)` moved the sequence forward, the
 /// skipped values will never be handed out: nothing holds them back.
 pub fn raise_max_allocated(stream: usize, value: i64) -> Result<(), Error> {
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::OtherExclusive)?;
     let s = &mut locked.streams()[stream];
     if s.loaded && s.max_allocated < value {
         s.max_allocated = value;
@@ -210,7 +216,7 @@ pub fn raise_max_allocated(stream: usize, value: i64) -> Result<(), Error> {
 
 /// Streams of one database with their generation, for the position worker.
 pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
-    let Ok(locked) = Locked::acquire(false) else {
+    let Ok(locked) = Locked::acquire(Section::OtherShared) else {
         return Vec::new();
     };
     locked
@@ -224,6 +230,6 @@ pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
 
 /// The stream's generation: it moves whenever an allocation finishes.
 pub fn generation(stream: usize) -> Result<u64, Error> {
-    let locked = Locked::acquire(false)?;
+    let locked = Locked::acquire(Section::Generation)?;
     Ok(locked.streams()[stream].generation)
 }

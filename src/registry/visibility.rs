@@ -37,9 +37,10 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 use streampos_core::frontier::{HeldBy, Holder};
 
-use super::shmem::{Finished, Locked, Summary};
-use super::streams::{matches, Stale};
+use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Summary, SEEN_WRITERS};
+use super::streams::Stale;
 use crate::error::Error;
+use crate::ffi::unguarded;
 
 impl Locked {
     /// The finished entries, oldest first.
@@ -86,9 +87,15 @@ impl Locked {
     }
 }
 
+/// `TransactionIdPrecedes` (transam.c), inlined: it is called for every
+/// entry a reader examines.
 fn precedes(a: TransactionId, b: TransactionId) -> bool {
-    // SAFETY: a pure comparison of two xids.
-    unsafe { pg_sys::TransactionIdPrecedes(a, b) }
+    let (a, b) = (a.into_inner(), b.into_inner());
+    let first_normal = pg_sys::FirstNormalTransactionId.into_inner();
+    if a < first_normal || b < first_normal {
+        return a < b;
+    }
+    (a.wrapping_sub(b) as i32) < 0
 }
 
 /// The xid after `xid`, as `TransactionIdAdvance` computes it (skipping the
@@ -124,7 +131,7 @@ pub fn durable_lsn() -> u64 {
     // WalSndCtl is shared memory set up at start; its fields are read with
     // single (atomic on supported platforms) loads.
     let now = unsafe {
-        let flushed = pg_sys::GetFlushRecPtr(ptr::null_mut());
+        let flushed = unguarded::GetFlushRecPtr(ptr::null_mut());
         let ctl = pg_sys::WalSndCtl;
         let sync_defined = !ctl.is_null()
             && u32::from(ptr::read_volatile(&raw const (*ctl).sync_standbys_status))
@@ -139,8 +146,48 @@ pub fn durable_lsn() -> u64 {
         }
     };
     match super::shmem::durable_high_water() {
-        Some(high) => high.fetch_max(now, Ordering::AcqRel).max(now),
+        // A plain load first: the shared cache line is written only when
+        // the durable point moved.
+        Some(high) => {
+            let seen = high.load(Ordering::Acquire);
+            if now > seen {
+                high.fetch_max(now, Ordering::AcqRel).max(now)
+            } else {
+                seen
+            }
+        }
         None => now,
+    }
+}
+
+/// The durable point as last seen by anyone (a lower bound of
+/// `durable_lsn()`), without reading the WAL position.
+fn durable_lsn_seen() -> u64 {
+    super::shmem::durable_high_water().map_or(0, |high| high.load(Ordering::Acquire))
+}
+
+/// Is `lsn` durable? Asks `durable_lsn()` only when the last value seen is
+/// not enough, at most once per reader: the answer is the same as with a
+/// fresh `durable_lsn()` read at the first question that needed it.
+struct Durability {
+    known: u64,
+    fresh: bool,
+}
+
+impl Durability {
+    fn new() -> Durability {
+        Durability {
+            known: durable_lsn_seen(),
+            fresh: false,
+        }
+    }
+
+    fn covers(&mut self, lsn: u64) -> bool {
+        if lsn > self.known && !self.fresh {
+            self.known = durable_lsn();
+            self.fresh = true;
+        }
+        lsn <= self.known
     }
 }
 
@@ -170,7 +217,7 @@ pub(super) fn fold_into_summary(summary: &mut Summary, evicted: &Finished) {
 /// worker normally keeps it near empty, but may not be running.
 pub fn prune_if_crowded() -> Result<(), Error> {
     let crowded = {
-        let locked = Locked::acquire(false)?;
+        let locked = Locked::acquire(Section::OtherShared)?;
         let h = locked.h();
         h.ring_used > h.ring_cap / 2
     };
@@ -188,7 +235,7 @@ pub fn prune() -> Result<(), Error> {
     // SAFETY: computes the shared horizon; raises no error.
     let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(ptr::null_mut()) };
     let durable = durable_lsn();
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::Prune)?;
     // From the head only (FIFO): an entry still needed keeps the younger
     // ones, which readers skip with their stop rule.
     locked.ring_pop_while(|f| f.lsn <= durable && (f.aborted || precedes(f.xid, horizon)));
@@ -212,39 +259,181 @@ pub struct StreamView {
 pub fn caller_snapshot() -> pg_sys::Snapshot {
     // SAFETY: called while a transaction is running SQL.
     unsafe {
-        if pg_sys::ActiveSnapshotSet() {
-            pg_sys::GetActiveSnapshot()
+        if unguarded::ActiveSnapshotSet() {
+            unguarded::GetActiveSnapshot()
         } else {
             pg_sys::GetTransactionSnapshot()
         }
     }
 }
 
+/// What a reader copies of one stream (phase 1 of `view`), consistent as of
+/// one instant: the stream's state, its entries in the active backend
+/// slots, and its ring entries from the newest back to where the snapshot
+/// sees everything.
+#[derive(Default)]
+struct Copied {
+    max_allocated: i64,
+    n_seen: usize,
+    /// (entry, is it the caller's own?)
+    slot_entries: Vec<(EntryCopy, bool)>,
+    ring_entries: Vec<Finished>,
+    /// (lowest ID, highest stamp, highest LSN) of a valid summary.
+    summary: Option<(i64, TransactionId, u64)>,
+}
+
+/// Exclusive sections seen by a lock-free reader before it takes the lock
+/// shared instead (so that a stream of writers cannot starve it).
+const LOCK_FREE_TRIES: usize = 4;
+/// How long a reader spins for an exclusive section to end (they last well
+/// under a microsecond) before it takes the lock, which sleeps if the
+/// writer was preempted.
+const SPINS: usize = 256;
+
+/// Phase 1 of `view`: copy what the snapshot may have to treat as in flight.
+/// Reads only (volatile, bounded; see `Raw`); decides nothing that needs a
+/// consistent copy, apart from where the ring scan stops, which a torn copy
+/// can only get wrong in a copy that is thrown away.
+#[allow(clippy::too_many_arguments)]
+fn copy_stream(
+    raw: Raw,
+    stream: usize,
+    key: i32,
+    seq: pg_sys::Oid,
+    snap: &pg_sys::SnapshotData,
+    own_slot: Option<usize>,
+    durable: &mut Durability,
+    out: &mut Copied,
+) -> Result<(), Stale> {
+    out.slot_entries.clear();
+    out.ring_entries.clear();
+    let s = raw.stream(stream);
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    if !(s.in_use && s.loaded && s.key == key && s.seq == seq && s.db == db) {
+        return Err(Stale);
+    }
+    out.max_allocated = s.max_allocated;
+    out.n_seen = s.n_seen;
+    let stream_i32 = stream as i32;
+    raw.for_each_active(|slot, used| {
+        for k in 0..used {
+            let a = raw.entry(slot, k);
+            if a.stream == stream_i32 {
+                out.slot_entries.push((a, own_slot == Some(slot)));
+            }
+        }
+    });
+    raw.ring_newest_first(|f| {
+        if taken_after(f.latest_completed, snap) && durable.covers(f.lsn_prefix_max) {
+            // This entry and every older one: seen and durable.
+            return false;
+        }
+        if f.stream == stream_i32 {
+            out.ring_entries.push(f);
+        }
+        true
+    });
+    out.summary =
+        s.summary_valid
+            .then_some((s.summary_min_id, s.summary_latest_completed, s.summary_lsn));
+    Ok(())
+}
+
 /// The holders of stream `stream` (key `key`, sequence `seq`) for
 /// `snapshot`.
+///
+/// Two phases: copy what the snapshot may have to treat as in flight, as
+/// of one instant (without the lock, as a seqlock reader, or after a few
+/// tries under the lock shared), then decide from the copy. Deciding takes
+/// the snapshot's `XidInMVCCSnapshot`, which may read pg_subtrans; it runs on
+/// the stable copy, outside any lock. Readers thus never hold the lock
+/// writers need, unless writers keep changing the registry under them.
 pub fn view(
     stream: usize,
     key: i32,
     seq: pg_sys::Oid,
     snapshot: pg_sys::Snapshot,
 ) -> Result<Result<StreamView, Stale>, Error> {
-    // Read before the scan: anything made durable later only makes us more
-    // conservative.
-    let durable = durable_lsn();
     // SAFETY: the caller passes its valid MVCC snapshot.
     let snap = unsafe { &*snapshot };
     let sees_end = |xid: TransactionId| {
         // SAFETY: as above.
         !unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
     };
-    let locked = Locked::acquire(false)?;
-    let s = &locked.streams()[stream];
-    if !matches(s, key, seq) {
+    let raw = Raw::get()?;
+    if stream >= raw.n_streams() {
         return Ok(Err(Stale));
     }
-    let stream_i32 = stream as i32;
+    // The caller's own transaction is running whatever its snapshot says
+    // (a snapshot never lists its own xid as in progress).
+    let own_slot = super::shmem::my_slot_index().ok();
+    // A durable point read later than the entries only makes more of them
+    // durable, which is the truth.
+    let mut durable = Durability::new();
+    let mut copied = Copied {
+        slot_entries: Vec::with_capacity(8),
+        ring_entries: Vec::with_capacity(8),
+        ..Copied::default()
+    };
+    let mut seen = [0; SEEN_WRITERS];
+    let mut result = None;
+    #[cfg(feature = "lock-stats")]
+    let started = super::lock_stats::now();
+    'tries: for _ in 0..LOCK_FREE_TRIES {
+        let mut before = raw.begin_read();
+        let mut spins = 0;
+        while before % 2 == 1 {
+            if spins == SPINS {
+                break 'tries;
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            before = raw.begin_read();
+        }
+        let r = copy_stream(
+            raw,
+            stream,
+            key,
+            seq,
+            snap,
+            own_slot,
+            &mut durable,
+            &mut copied,
+        );
+        raw.seen(stream, &mut seen, copied.n_seen);
+        if raw.still(before) {
+            result = Some(r);
+            break;
+        }
+    }
+    #[cfg(feature = "lock-stats")]
+    super::lock_stats::record_lock_free(started, result.is_some());
+    let result = match result {
+        Some(r) => r,
+        None => {
+            // Writers kept moving: copy under the lock, shared.
+            let _locked = Locked::acquire(Section::View)?;
+            let r = copy_stream(
+                raw,
+                stream,
+                key,
+                seq,
+                snap,
+                own_slot,
+                &mut durable,
+                &mut copied,
+            );
+            raw.seen(stream, &mut seen, copied.n_seen);
+            r
+        }
+    };
+    if result.is_err() {
+        return Ok(Err(Stale));
+    }
+    // Phase 2: decide, from the copy.
     let mut holders = Vec::new();
-    let hold = |holders: &mut Vec<Holder>, instance: i32, min_id: i64, durable: bool| {
+    let mut hold = |instance: i32, min_id: i64, durable: bool| {
         holders.push(Holder {
             // IDs not yet durable hold back every writer: after a crash or
             // failover they could be handed out again, to anyone.
@@ -256,53 +445,39 @@ pub fn view(
             min_id,
         });
     };
-    // The caller's own transaction is running whatever its snapshot says
-    // (a snapshot never lists its own xid as in progress).
-    let own_slot = super::shmem::my_slot_index().ok();
-    for (slot_index, header) in locked.slot_headers().iter().enumerate() {
-        if header.used == 0 {
-            continue;
-        }
-        let own = own_slot == Some(slot_index);
-        for a in locked.slot(slot_index).iter() {
-            if a.stream != stream_i32 {
-                continue;
-            }
-            let ended = !own && sees_end(a.xid);
-            // A pending entry has not recorded its WAL position: while its
-            // transaction runs, its IDs are in flight like any other; once it
-            // has ended (an allocation that failed, its callback not run
-            // yet), nothing says its IDs are durable.
-            let is_durable = if a.pending { !ended } else { a.lsn <= durable };
-            if !ended || !is_durable {
-                hold(&mut holders, a.instance, a.min_id, is_durable);
-            }
+    for &(a, own) in &copied.slot_entries {
+        let ended = !own && sees_end(a.xid);
+        // A pending entry has not recorded its WAL position: while its
+        // transaction runs, its IDs are in flight like any other; once it
+        // has ended (an allocation that failed, its callback not run yet),
+        // nothing says its IDs are durable.
+        let is_durable = if a.pending {
+            !ended
+        } else {
+            durable.covers(a.lsn)
+        };
+        if !ended || !is_durable {
+            hold(a.instance, a.min_id, is_durable);
         }
     }
-    for f in locked.ring_entries().rev() {
-        if taken_after(f.latest_completed, snap) && f.lsn_prefix_max <= durable {
-            // This entry and every older one: seen and durable.
-            break;
-        }
-        if f.stream != stream_i32 {
-            continue;
-        }
-        let is_durable = f.lsn <= durable;
+    for f in &copied.ring_entries {
+        let is_durable = durable.covers(f.lsn);
         let unseen = !f.aborted && !sees_end(f.xid);
         if unseen || !is_durable {
-            hold(&mut holders, f.instance, f.min_id, is_durable);
+            hold(f.instance, f.min_id, is_durable);
         }
     }
-    let summary = &s.summary;
-    if summary.valid && (summary.lsn > durable || !taken_after(summary.latest_completed, snap)) {
-        holders.push(Holder {
-            held_by: HeldBy::AllWriters,
-            min_id: summary.min_id,
-        });
+    if let Some((min_id, stamp, lsn)) = copied.summary {
+        if !durable.covers(lsn) || !taken_after(stamp, snap) {
+            holders.push(Holder {
+                held_by: HeldBy::AllWriters,
+                min_id,
+            });
+        }
     }
     Ok(Ok(StreamView {
-        max_allocated: s.max_allocated,
+        max_allocated: copied.max_allocated,
         holders,
-        seen: s.seen[..s.n_seen as usize].to_vec(),
+        seen: seen[..copied.n_seen].to_vec(),
     }))
 }

@@ -3,7 +3,7 @@
 
 use pgrx::pg_sys;
 
-use super::shmem::Locked;
+use super::shmem::{Locked, Section};
 use super::streams::generation;
 use crate::error::Error;
 
@@ -11,7 +11,7 @@ use crate::error::Error;
 /// passes. Returns false on timeout.
 pub fn wait_for_change(stream: usize, seen: u64, timeout_ms: i64) -> Result<bool, Error> {
     let cv = {
-        let locked = Locked::acquire(false)?;
+        let locked = Locked::acquire(Section::OtherShared)?;
         &mut locked.streams()[stream].cv as *mut pg_sys::ConditionVariable
     };
     let deadline =

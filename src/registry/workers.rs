@@ -5,7 +5,7 @@ use std::ptr;
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, WorkerSlot};
+use super::shmem::{Locked, Section, WorkerSlot};
 use crate::error::Error;
 use crate::ffi;
 
@@ -15,7 +15,7 @@ const START_TIMEOUT_US: i64 = 10_000_000;
 
 fn now() -> pg_sys::TimestampTz {
     // SAFETY: reads the clock; raises no error.
-    unsafe { pg_sys::GetCurrentTimestamp() }
+    unsafe { ffi::unguarded::GetCurrentTimestamp() }
 }
 
 /// A slot whose worker is gone: never started within the timeout, or its
@@ -37,7 +37,7 @@ fn alive(pid: i32) -> bool {
 /// Called by the worker: take this database's slot, unless another live
 /// worker has it.
 pub fn claim_worker_slot(db: pg_sys::Oid) -> Result<bool, Error> {
-    let locked = Locked::acquire(true)?;
+    let locked = Locked::acquire(Section::OtherExclusive)?;
     let workers = &mut locked.h().workers;
     // SAFETY: process identity globals, set at process start.
     let (me, latch) = unsafe { (pg_sys::MyProcPid, pg_sys::MyLatch) };
@@ -66,7 +66,7 @@ pub fn claim_worker_slot(db: pg_sys::Oid) -> Result<bool, Error> {
 /// Free this worker's slot (any database may use it next). Called on the
 /// worker's exit: raises no error.
 pub fn release_worker_slot(db: pg_sys::Oid) {
-    if let Ok(locked) = Locked::acquire(true) {
+    if let Ok(locked) = Locked::acquire(Section::OtherExclusive) {
         // SAFETY: process identity global.
         let me = unsafe { pg_sys::MyProcPid };
         for w in locked.h().workers.iter_mut() {
@@ -86,7 +86,7 @@ pub fn release_worker_slot(db: pg_sys::Oid) {
 /// as starting when not, so that only one backend starts it.
 pub fn worker_needed(db: pg_sys::Oid) -> bool {
     {
-        let Ok(locked) = Locked::acquire(false) else {
+        let Ok(locked) = Locked::acquire(Section::OtherShared) else {
             return false;
         };
         let running = locked.h().workers.iter().any(|w| w.db == db && w.pid != 0);
@@ -94,7 +94,7 @@ pub fn worker_needed(db: pg_sys::Oid) -> bool {
             return false;
         }
     }
-    let Ok(locked) = Locked::acquire(true) else {
+    let Ok(locked) = Locked::acquire(Section::OtherExclusive) else {
         return false;
     };
     let workers = &mut locked.h().workers;
@@ -134,7 +134,7 @@ pub fn worker_needed(db: pg_sys::Oid) -> bool {
 
 /// Forget a failed start so that a later allocation tries again.
 pub fn worker_start_failed(db: pg_sys::Oid) {
-    if let Ok(locked) = Locked::acquire(true) {
+    if let Ok(locked) = Locked::acquire(Section::OtherExclusive) {
         for w in locked.h().workers.iter_mut() {
             if w.db == db && w.pid == -1 {
                 w.pid = 0;

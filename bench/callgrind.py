@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Noise-free cost: instructions per transaction, counted by callgrind.
+
+Each measurement is one run of `postgres --single` (single-user mode: one
+process, no other backend, no background worker, so nothing else runs
+between the statements) under `valgrind --tool=callgrind`, on a fresh copy of
+a template cluster, reading from stdin:
+
+    <preamble of the variant>
+    PREPARE p AS <statement>;
+    EXECUTE p;            -- warm-up: caches, first-use loading
+    EXECUTE p;            -- N times
+    ...
+
+Each EXECUTE is a transaction of its own (autocommit), so it includes the
+commit. The cost of one transaction is (instructions with N − instructions
+with 0) / N: start-up, the preamble, the warm-up and shut-down cancel out.
+Several N show that it is linear (the per-transaction figures agree).
+
+Every run, the floor's and SELECT 1's too, starts with one frontier() call:
+a backend that uses streampos has read its catalog once (through SPI, which
+leaves PostgreSQL's per-backend lock table larger, and every commit scans
+that table), so the baselines run in the same kind of backend.
+
+Statements (like pgbench -M prepared, planned once):
+  floor       INSERT … SELECT nextval(seq), 'w1', payload
+  streampos   INSERT … SELECT streampos.next_id('bench', 'w1'), 'w1', payload
+  SELECT 1 / frontier() / current_room_token()
+
+Variants:
+  quiet   nothing else in the registry
+  pinned  a prepared transaction holds an xid, so nothing committed after it
+          can be pruned (like a long-running transaction anywhere); the
+          preamble commits 1.5 × the ring's capacity (set to 1024 here) of
+          allocations first, so the ring is full and every commit folds its
+          oldest entry.
+  max_connections = 1000
+          reads only: the registry has a backend slot per connection, and a
+          reader's work must not grow with them.
+
+Usage: bench/callgrind.py --pg-bin DIR [--n 200,400,800] [--out FILE]
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PAYLOAD = "repeat('x', 200)"
+SHAPES = {
+    "floor": f"INSERT INTO b_floor SELECT nextval('b_floor_seq'), 'w1', {PAYLOAD}",
+    "streampos": f"INSERT INTO b_sp SELECT streampos.next_id('bench', 'w1'), 'w1', {PAYLOAD}",
+    "SELECT 1": "SELECT 1",
+    "frontier()": "SELECT streampos.frontier('bench')",
+    "current_room_token()": "SELECT streampos.current_room_token('bench')",
+}
+# (shape, baseline, goal: at most this ratio)
+RATIOS = [
+    ("streampos", "floor", 1.05),
+    ("frontier()", "SELECT 1", 1.25),
+    ("current_room_token()", "SELECT 1", 1.25),
+]
+
+SETUP = [
+    "CREATE EXTENSION streampos;",
+    "SELECT streampos.create_stream('bench');",
+    "CREATE TABLE b_floor (id bigint, writer text, payload text);",
+    "CREATE TABLE b_sp (id bigint, writer text, payload text);",
+    "CREATE TABLE b_pin (x int);",
+    "CREATE SEQUENCE b_floor_seq;",
+    # One allocation per transaction (COMMIT inside a procedure).
+    "CREATE PROCEDURE fill(n int) LANGUAGE plpgsql AS $$ BEGIN FOR i IN 1..n LOOP "
+    "PERFORM streampos.next_id('bench', 'w1'); COMMIT; END LOOP; END $$;",
+]
+
+PINNED_RING = 1024
+# A backend that used streampos: its catalog read once (see above).
+WARM_UP = ["SELECT streampos.frontier('bench');"]
+READS = ["SELECT 1", "frontier()", "current_room_token()"]
+VARIANTS = {
+    "quiet": dict(conf=[], preamble=[]),
+    "pinned": dict(
+        conf=[f"streampos.finished_ring_size = {PINNED_RING}"],
+        # The prepared transaction survives in the template: every run
+        # starts with its xid running.
+        setup=["BEGIN;", "INSERT INTO b_pin VALUES (1);", "PREPARE TRANSACTION 'pin';"],
+        preamble=[f"CALL fill({PINNED_RING * 3 // 2});"],
+    ),
+    "max_connections = 1000": dict(conf=["max_connections = 1000"], preamble=[], shapes=READS),
+}
+
+
+def as_postgres(cmd):
+    return ["runuser", "-u", "postgres", "--"] + cmd if os.geteuid() == 0 else cmd
+
+
+def single_user(pg_bin, data, lines, valgrind_out=None):
+    """Run `lines` through a single-user backend; returns its output."""
+    cmd = [os.path.join(pg_bin, "postgres"), "--single", "-D", data, "postgres"]
+    if valgrind_out:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={valgrind_out}"] + cmd
+    out = subprocess.run(as_postgres(cmd), input="\n".join(lines) + "\n", capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    if out.returncode != 0 or re.search(r"\b(ERROR|FATAL|PANIC|WARNING):", text):
+        sys.exit(f"single-user run failed ({' '.join(cmd)}):\n{text[-3000:]}")
+    return text
+
+
+def make_template(pg_bin, root, name, variant):
+    data = os.path.join(root, "template-" + re.sub(r"[^a-z0-9]+", "_", name))
+    os.makedirs(data)
+    if os.geteuid() == 0:
+        shutil.chown(data, "postgres", "postgres")
+    subprocess.run(as_postgres([os.path.join(pg_bin, "initdb"), "-D", data, "-A", "trust", "-U", "postgres"]),
+                   check=True, capture_output=True)
+    with open(os.path.join(data, "postgresql.conf"), "a") as f:
+        f.write("shared_preload_libraries = 'streampos'\n")
+        f.write("max_prepared_transactions = 2\n")
+        # Instructions, not time: no need to wait for the disk.
+        f.write("fsync = off\n")
+        for line in variant["conf"]:
+            f.write(line + "\n")
+    single_user(pg_bin, data, SETUP + variant.get("setup", []))
+    return data
+
+
+def instructions(pg_bin, root, template, preamble, statement, n, label):
+    data = os.path.join(root, "run")
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(template, data, symlinks=True)
+    if os.geteuid() == 0:
+        subprocess.run(["chown", "-R", "postgres:postgres", data], check=True)
+    out_file = os.path.join(root, "callgrind.out")
+    lines = WARM_UP + preamble + [f"PREPARE p AS {statement};", "EXECUTE p;"] + ["EXECUTE p;"] * n
+    single_user(pg_bin, data, lines, valgrind_out=out_file)
+    os.chmod(root, 0o777)
+    with open(out_file) as f:
+        total = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
+    shutil.move(out_file, os.path.join(root, f"callgrind-{re.sub(r'[^a-z0-9]+', '_', label.lower())}-{n}.out"))
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pg-bin", required=True)
+    ap.add_argument("--n", default="200,400,800", help="transaction counts (0 is always run)")
+    ap.add_argument("--variants", default="quiet,pinned,max_connections = 1000")
+    ap.add_argument("--keep", help="directory to keep the callgrind files in")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.n.split(",")]
+    started = time.monotonic()
+    root = args.keep or tempfile.mkdtemp(prefix="streampos-callgrind-")
+    os.makedirs(root, exist_ok=True)
+    os.chmod(root, 0o777)
+    lines = [
+        "### Instructions per transaction (callgrind, single-user mode)",
+        "",
+        f"(instructions of N transactions − of 0) / N, N = {', '.join(map(str, counts))}, after one warm-up "
+        "transaction; prepared statements, one transaction each. Command: bench/callgrind.py",
+        "",
+        "| variant | statement | instructions per transaction (N = " + ", ".join(map(str, counts)) + ") | median |",
+        "|---|---|---|---|",
+    ]
+    ratio_lines = [
+        "",
+        "| variant | ratio | median (range over N) | goal |",
+        "|---|---|---|---|",
+    ]
+    for vname in args.variants.split(","):
+        variant = VARIANTS[vname]
+        template = make_template(args.pg_bin, root, vname, variant)
+        per_txn = {}
+        for shape, statement in SHAPES.items():
+            if shape not in variant.get("shapes", SHAPES):
+                continue
+            label = f"{vname} {shape}"
+            base = instructions(args.pg_bin, root, template, variant["preamble"], statement, 0, label)
+            per_txn[shape] = [
+                (instructions(args.pg_bin, root, template, variant["preamble"], statement, n, label) - base) / n
+                for n in counts
+            ]
+            line = f"| {vname} | {shape} | " + ", ".join(f"{x:,.0f}" for x in per_txn[shape]) + \
+                f" | {statistics.median(per_txn[shape]):,.0f} |"
+            lines.append(line)
+            print(line, flush=True)
+        for shape, baseline, goal in RATIOS:
+            if shape not in per_txn:
+                continue
+            ratios = [a / b for a, b in zip(per_txn[shape], per_txn[baseline])]
+            med = statistics.median(ratios)
+            line = (f"| {vname} | {shape} / {baseline} | {med:.3f} ({min(ratios):.3f}–{max(ratios):.3f}) "
+                    f"| ≤ {goal:.2f}: {'met' if max(ratios) <= goal else '**not met**'} |")
+            ratio_lines.append(line)
+            print(line, flush=True)
+    lines += ratio_lines
+    lines += ["", f"Run time: {time.monotonic() - started:.0f} s.", ""]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(report + "\n")
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
