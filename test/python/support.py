@@ -20,8 +20,8 @@ PGDATA = os.environ.get("STREAMPOS_PGDATA")
 PGUSER = os.environ.get("STREAMPOS_PGUSER", "postgres")
 PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 DBNAME = "streampos_pytest"
-# A SQL file run in every scratch database after CREATE EXTENSION: e.g.
-# docs/adopt_synapse.draft.sql, to try the adoption tests against the draft.
+# A SQL file run in every scratch database after CREATE EXTENSION (e.g. to
+# try SQL objects against the tests without rebuilding the extension).
 EXTRA_SQL = os.environ.get("STREAMPOS_TEST_EXTRA_SQL")
 
 # SPEC: stream_positions is "caught up within a second of a commit"; in-flight

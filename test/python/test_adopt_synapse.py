@@ -13,6 +13,10 @@ The result's vocabulary and the SQLSTATEs are the constants below, so the
 implementation can settle them in one place.
 """
 
+import contextlib
+import threading
+import uuid
+
 import psycopg
 import pytest
 
@@ -27,10 +31,17 @@ REPAIRED = "repaired"  # its sequence was moved forward (detail: to what)
 UNCHANGED = "unchanged"  # already registered as the map says: nothing done
 SKIPPED = "skipped"  # not adopted (detail: the missing or unusable object)
 
-# A database (or schema) without Synapse's tables.
-NOT_SYNAPSE_SQLSTATE = "55000"
+# A schema without Synapse's tables (schema_version, instance_map,
+# stream_positions): undefined_table, what PostgreSQL raises for a table that
+# does not exist, and distinct from the conflict below, so that a caller can
+# tell "wrong database or schema" from "streampos disagrees with Synapse".
+NOT_SYNAPSE_SQLSTATE = "42P01"
+# A schema that does not exist: invalid_schema_name, as PostgreSQL raises it.
+NO_SCHEMA_SQLSTATE = "3F000"
 # streampos.instances already gives a Synapse instance name another id, or
-# a Synapse id to another name: importing would change what tokens mean.
+# a Synapse id to another name: importing would change what tokens mean
+# (object_not_in_prerequisite_state: the database is Synapse's, streampos's
+# state is what stands in the way).
 INSTANCE_CONFLICT_SQLSTATE = "55000"
 
 STREAMS = synapse_db.load_stream_map()
@@ -271,8 +282,11 @@ def test_a_token_a_client_holds_decodes_to_the_same_writers(adopted, adopted_db)
 
 
 def test_new_instances_get_ids_synapse_never_gave(adopted, adopted_db):
+    """Past every imported id, and past instance_map's sequence too: its
+    upserts burn values, and Synapse may have handed out the burnt ones."""
     new_id = one(adopted_db, "SELECT streampos.instance_id('worker_added_after_adoption')")
     assert new_id > max(adopted.instance_map.values())
+    assert new_id > synapse_db.INSTANCE_MAP_SEQUENCE_VALUE
 
 
 def test_positions_after_adoption(adopted, adopted_db):
@@ -419,7 +433,7 @@ def test_a_database_that_is_not_synapses_is_refused():
         # A schema that does not exist.
         with pytest.raises(psycopg.Error) as info:
             c.execute(ADOPT_IN, ("no_such_schema",))
-        assert info.value.diag.sqlstate in (NOT_SYNAPSE_SQLSTATE, "3F000"), info.value
+        assert info.value.diag.sqlstate == NO_SCHEMA_SQLSTATE, info.value
         assert "no_such_schema" in str(info.value), info.value
         _assert_nothing_registered(c)
 
@@ -517,4 +531,309 @@ def test_conflicting_instances_are_refused(synapse_copy, before):
         assert "worker1" in text or "worker2" in text, text
         _assert_nothing_registered(c)
         assert rows(c, "SELECT * FROM streampos.instances ORDER BY 1") == instances_before
+
+
+def test_a_newer_synapse_schema_is_reported(synapse_copy):
+    """The map is schema 94's: a newer database may have streams it does
+    not know. The call adopts what the map knows and says so."""
+    with connect_raw(synapse_copy) as c:
+        c.execute("UPDATE schema_version SET version = version + 1")
+        version = one(c, "SELECT version FROM schema_version")
+        result = _adopt(c)
+        notes = [d for s, a, d in result if s is None and a == SKIPPED]
+        assert len(notes) == 1 and str(version) in notes[0] and "94" in notes[0], result
+        assert set(registered(c)) == set(BY_NAME)
+
+
+def test_what_cannot_be_adopted_as_it_is_is_skipped(synapse_copy):
+    """An UNLOGGED sequence, a stream registered already with another
+    sequence, a Synapse sequence another stream uses, a table without its ID
+    column or its instance column: each is reported, nothing of it changed,
+    and its positions stay behind."""
+    with connect_raw(synapse_copy) as c:
+        c.execute("ALTER SEQUENCE receipts_sequence SET UNLOGGED")
+        own_seq = one(c, "SELECT streampos.create_stream('to_device')::text")
+        c.execute("SELECT streampos.adopt_stream('my_pushers', 'pushers_sequence')")
+        c.execute("ALTER TABLE device_lists_remote_pending DROP COLUMN instance_name")
+        c.execute("ALTER TABLE current_state_delta_stream DROP COLUMN stream_id CASCADE")
+        c.execute("INSERT INTO instance_map (instance_id, instance_name) VALUES (11, repeat('w', 64))")
+        result = _adopt(c)
+        streams = registered(c)
+
+        receipts = actions(result, "receipts")
+        assert [a for a, _d in receipts] == [SKIPPED] and "UNLOGGED" in receipts[0][1], result
+        assert "receipts" not in streams
+
+        to_device = actions(result, "to_device")
+        assert [a for a, _d in to_device] == [SKIPPED] and own_seq in to_device[0][1], result
+        assert streams["to_device"][0] == own_seq
+        assert registered_tables(c, "to_device") == set()
+
+        pushers = actions(result, "pushers")
+        assert [a for a, _d in pushers] == [SKIPPED] and "my_pushers" in pushers[0][1], result
+        assert "pushers" not in streams and streams["my_pushers"][0] == "pushers_sequence"
+
+        for skipped in ("receipts", "to_device", "pushers"):
+            assert one(c, "SELECT count(*) FROM streampos.stream_positions WHERE stream_name = %s", (skipped,)) == 0
+
+        devices = actions(result, "device_lists_stream")
+        assert any(a == SKIPPED and "device_lists_remote_pending" in d and "instance_name" in d for a, d in devices)
+        assert ("device_lists_remote_pending", None, "stream_id") in registered_tables(c, "device_lists_stream")
+        events = actions(result, "events")
+        assert any(a == SKIPPED and "current_state_delta_stream" in d and "stream_id" in d for a, d in events)
+        assert "current_state_delta_stream" not in {t for t, _i, _c in registered_tables(c, "events")}
+
+        # An instance streampos cannot name (64 bytes): skipped, its id
+        # never given to another name.
+        notes = [d for s, a, d in result if s is None and a == SKIPPED]
+        assert len(notes) == 1 and "id 11" in notes[0], result
+        assert one(c, "SELECT count(*) FROM streampos.instances WHERE instance_id = 11") == 0
+        assert one(c, "SELECT streampos.instance_id('after_adoption')") > 11
+
+        # A second call changes none of it.
+        again = _adopt(c)
+        assert [a for a, _d in actions(again, "receipts")] == [SKIPPED]
+        assert [a for a, _d in actions(again, "to_device")] == [SKIPPED]
+        assert registered(c) == streams
+
+
+def test_a_schema_name_that_needs_quoting(synapse_copy):
+    with connect_raw(synapse_copy) as c:
+        c.execute('ALTER SCHEMA public RENAME TO "Syn""apse db"')
+        c.execute("CREATE SCHEMA public")
+        result = _adopt(c, 'Syn"apse db')
+        assert {s for s, a, _d in result if a == ADOPTED} == set(BY_NAME), result
+        assert registered(c)["events"][0] == '"Syn""apse db".events_stream_seq'
+        assert ('"Syn""apse db".events', "instance_name", "stream_ordering") in registered_tables(c, "events")
+        expect_error(c, ADOPT_IN, ("Syn\"apse db; DROP TABLE x",), sqlstate=NO_SCHEMA_SQLSTATE)
+
+
+def test_concurrent_adoptions_wait_for_each_other(synapse_copy):
+    """The second call waits for the first to commit, then finds every
+    stream registered (it reads with a snapshot taken after the wait)."""
+    with connect_raw(synapse_copy) as first, connect_raw(synapse_copy) as second:
+        first.execute("BEGIN")
+        assert ADOPTED in {a for _s, a, _d in _adopt(first)}
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(_adopt(second)))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive(), "the second adoption did not wait for the first"
+        first.execute("COMMIT")
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert {a for _s, a, _d in results[0]} == {UNCHANGED}, results[0]
+
+
+# --------------------------------------------------------------- privileges
+
+
+@contextlib.contextmanager
+def role(dbname, prefix):
+    """A login role of its own for a test, dropped afterwards with what it
+    was granted in ``dbname``."""
+    name = f"{prefix}_{uuid.uuid4().hex[:6]}"
+    with connect_raw("postgres") as admin:
+        admin.execute(f"CREATE ROLE {name} LOGIN")
+    try:
+        yield name
+    finally:
+        with connect_raw(dbname) as c:
+            c.execute(f"DROP OWNED BY {name} CASCADE")
+        with connect_raw("postgres") as admin:
+            admin.execute(f"DROP ROLE {name}")
+
+
+def sequence_values(conn):
+    return {s.name: one(conn, f"SELECT last_value::text || ' ' || is_called::text FROM public.{s.sequence}") for s in STREAMS}
+
+
+def _give_synapses_tables_to(conn, owner):
+    """Make ``owner`` own every table and sequence of schema public, as the
+    role a homeserver connects as does."""
+    conn.execute(
+        f"""
+        DO $$
+        DECLARE r record;
+        BEGIN
+            FOR r IN SELECT c.oid::regclass AS rel FROM pg_class c
+                     WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p')
+            LOOP
+                EXECUTE format('ALTER TABLE %s OWNER TO {owner}', r.rel);
+            END LOOP;
+            -- Sequences a column owns moved with their table.
+            FOR r IN SELECT c.oid::regclass AS rel FROM pg_class c
+                     WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'S'
+                       AND c.relowner <> '{owner}'::regrole
+            LOOP
+                EXECUTE format('ALTER SEQUENCE %s OWNER TO {owner}', r.rel);
+            END LOOP;
+        END
+        $$
+        """
+    )
+
+
+def test_adoption_is_not_for_public(synapse_copy):
+    with role(synapse_copy, "adopt_nobody") as nobody, connect_raw(synapse_copy, user=nobody) as c:
+        expect_error(c, ADOPT, sqlstate="42501")
+        _assert_nothing_registered(c)
+
+
+def test_a_caller_that_does_not_own_synapses_sequences_cannot_adopt_them(synapse_copy):
+    """EXECUTE and SELECT on every table are not enough: registering a
+    sequence lets streampos move it, so adopt_stream's rule holds (the
+    caller must own it). Nothing is registered or imported."""
+    with role(synapse_copy, "adopt_reader") as reader:
+        with connect_raw(synapse_copy) as admin:
+            admin.execute(f"GRANT EXECUTE ON FUNCTION streampos.adopt_synapse(name) TO {reader}")
+            admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {reader}")
+            instances = rows(admin, "SELECT * FROM streampos.instances ORDER BY 1")
+            sequences = sequence_values(admin)
+        with connect_raw(synapse_copy, user=reader) as c:
+            err = expect_error(c, ADOPT, sqlstate="42501")
+            assert "must be owner of sequence" in err.diag.message_primary, err
+            # Not even the instances (checks come before writes; an error
+            # rolls the call back).
+            _assert_nothing_registered(c)
+            assert rows(c, "SELECT * FROM streampos.instances ORDER BY 1") == instances
+        with connect_raw(synapse_copy) as admin:
+            assert sequence_values(admin) == sequences
+
+
+def test_the_owner_of_synapses_tables_adopts_without_being_superuser(synapse_copy):
+    """The role that owns Synapse's tables and sequences, granted EXECUTE,
+    adopts everything: the catalog is written as the extension's owner,
+    although the role itself may not write it."""
+    with role(synapse_copy, "adopt_homeserver") as owner:
+        with connect_raw(synapse_copy) as admin:
+            _give_synapses_tables_to(admin, owner)
+            admin.execute(f"GRANT EXECUTE ON FUNCTION streampos.adopt_synapse(name) TO {owner}")
+        with connect_raw(synapse_copy, user=owner) as c:
+            assert not one(c, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            facts = synapse_db.observe(c)
+            result = _adopt(c)
+            assert {s for s, a, _d in result if a == ADOPTED} == set(BY_NAME), result
+            assert [s for s, a, _d in result if a == REPAIRED] == ["events"]
+            assert dict(rows(c, "SELECT instance_name, instance_id FROM streampos.instances")) == synapse_db.INSTANCE_MAP
+            assert one(c, "SELECT streampos.frontier('events')") == facts["events"].frontier
+            expect_error(c, "INSERT INTO streampos.instances VALUES (100, 'intruder')", sqlstate="42501")
+            expect_error(c, "DELETE FROM streampos.stream_positions", sqlstate="42501")
+
+
+# Every function and operator adoption's SQL uses, overloaded in a schema
+# that comes before pg_catalog in the caller's search_path, each raising.
+HOSTILE_OBJECTS = """
+CREATE FUNCTION evil.trap() RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'evil trap ran'; END $$;
+CREATE FUNCTION evil.quote_ident(text) RETURNS text LANGUAGE sql AS 'SELECT evil.trap()::text';
+CREATE FUNCTION evil.format(text) RETURNS text LANGUAGE sql AS 'SELECT evil.trap()::text';
+CREATE FUNCTION evil.format(text, text) RETURNS text LANGUAGE sql AS 'SELECT evil.trap()::text';
+CREATE FUNCTION evil.abs(bigint) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE FUNCTION evil.setval(regclass, bigint) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE FUNCTION evil.setval(regclass, bigint, boolean) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE FUNCTION evil.nextval(regclass) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE FUNCTION evil.unnest(integer[]) RETURNS SETOF integer LANGUAGE sql AS 'SELECT evil.trap()::int';
+CREATE FUNCTION evil.unnest(text[]) RETURNS SETOF text LANGUAGE sql AS 'SELECT evil.trap()::text';
+CREATE FUNCTION evil.unnest(bigint[]) RETURNS SETOF bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE FUNCTION evil.max_step(bigint, bigint) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE AGGREGATE evil.max(bigint) (SFUNC = evil.max_step, STYPE = bigint);
+CREATE FUNCTION evil.max_step(bigint, integer) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE AGGREGATE evil.max(integer) (SFUNC = evil.max_step, STYPE = bigint);
+CREATE FUNCTION evil.to_regclass(text) RETURNS regclass LANGUAGE sql AS 'SELECT evil.trap()::int::oid::regclass';
+CREATE FUNCTION evil.pg_get_serial_sequence(text, text) RETURNS text LANGUAGE sql AS 'SELECT evil.trap()::text';
+CREATE FUNCTION evil.eq(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.eq);
+CREATE FUNCTION evil.eq(name, text) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = name, RIGHTARG = text, FUNCTION = evil.eq);
+CREATE FUNCTION evil.eq(name, name) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = name, RIGHTARG = name, FUNCTION = evil.eq);
+CREATE FUNCTION evil.eq(oid, oid) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = oid, RIGHTARG = oid, FUNCTION = evil.eq);
+CREATE FUNCTION evil.eq("char", "char") RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = "char", RIGHTARG = "char", FUNCTION = evil.eq);
+CREATE FUNCTION evil.eq(integer, integer) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = integer, RIGHTARG = integer, FUNCTION = evil.eq);
+CREATE FUNCTION evil.eq(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.eq);
+CREATE FUNCTION evil.gt(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.> (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.gt);
+CREATE FUNCTION evil.gt(smallint, integer) RETURNS boolean LANGUAGE sql AS 'SELECT evil.trap()';
+CREATE OPERATOR evil.> (LEFTARG = smallint, RIGHTARG = integer, FUNCTION = evil.gt);
+CREATE FUNCTION evil.minus(bigint, integer) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE OPERATOR evil.- (LEFTARG = bigint, RIGHTARG = integer, FUNCTION = evil.minus);
+CREATE FUNCTION evil.neg(bigint) RETURNS bigint LANGUAGE sql AS 'SELECT evil.trap()::int::bigint';
+CREATE OPERATOR evil.- (RIGHTARG = bigint, FUNCTION = evil.neg);
+CREATE FUNCTION evil.cat(text, text) RETURNS text LANGUAGE sql AS 'SELECT evil.trap()::text';
+CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat);
+"""
+
+
+def test_a_hostile_search_path_runs_none_of_its_functions(synapse_copy):
+    """A schema another role owns, first in the caller's search_path
+    (before pg_catalog), overloading every function and operator the
+    adoption's SQL uses: none of them runs, and adoption does what it does
+    with a clean path."""
+    with role(synapse_copy, "adopt_evil") as evil_role:
+        with connect_raw(synapse_copy) as admin:
+            admin.execute(f"CREATE SCHEMA evil AUTHORIZATION {evil_role}")
+        with connect_raw(synapse_copy, user=evil_role) as evil:
+            evil.execute(HOSTILE_OBJECTS)
+        with connect_raw(synapse_copy) as c:
+            facts = synapse_db.observe(c)
+            c.execute("SET search_path = evil, pg_catalog, public")
+            # The traps work: unqualified SQL with this path runs them.
+            for probe in (
+                "SELECT 'a'::text = 'b'::text",
+                "SELECT quote_ident('a')",
+                "SELECT abs(-1::bigint)",
+                "SELECT max(x) FROM (VALUES (1::bigint)) v(x)",
+                "SELECT 1::bigint > 0::bigint",
+            ):
+                err = expect_error(c, probe)
+                assert "evil trap ran" in str(err), probe
+            result = _adopt(c)
+            assert {s for s, a, _d in result if a == ADOPTED} == set(BY_NAME), result
+            assert [s for s, a, _d in result if a == REPAIRED] == ["events"]
+            c.execute("RESET search_path")
+            assert dict(rows(c, "SELECT instance_name, instance_id FROM streampos.instances")) == synapse_db.INSTANCE_MAP
+            assert one(c, "SELECT streampos.frontier('events')") == facts["events"].frontier
+            assert one(c, "SELECT streampos.instance_id('after_adoption')") > synapse_db.INSTANCE_MAP_SEQUENCE_VALUE
+
+
+
+def test_synapse_columns_of_another_type_are_refused(synapse_copy):
+    """Adoption casts Synapse's columns to bigint or text: a column of
+    another type (whose owner could write the cast function, which would
+    run as the caller) is refused before it is read."""
+    with connect_raw(synapse_copy) as c:
+        c.execute("CREATE DOMAIN stream_number AS bigint")
+        c.execute("ALTER TABLE stream_positions ALTER COLUMN stream_id TYPE stream_number")
+        err = expect_error(c, ADOPT, sqlstate=NOT_SYNAPSE_SQLSTATE)
+        assert "stream_positions.stream_id" in err.diag.message_detail, err
+        _assert_nothing_registered(c)
+
+
+def test_a_table_that_appears_later_is_added(synapse_copy):
+    """A stream registered without a table (it did not exist then) gets it
+    from a later call; the streams that had everything stay unchanged; the
+    writer list set in between keeps a removed writer's position deleted."""
+    with connect_raw(synapse_copy) as c:
+        c.execute("ALTER TABLE ex_outlier_stream RENAME TO ex_outlier_stream_away")
+        first = _adopt(c)
+        assert ("ex_outlier_stream", "instance_name", "event_stream_ordering") not in registered_tables(c, "events")
+        assert any(a == SKIPPED and "ex_outlier_stream" in d for a, d in actions(first, "events")), first
+        c.execute("SELECT streampos.set_writers('events', ARRAY['master', 'worker1', 'worker2'])")
+        c.execute("ALTER TABLE ex_outlier_stream_away RENAME TO ex_outlier_stream")
+        again = _adopt(c)
+        for name in ("events", "backfill"):
+            done = actions(again, name)
+            # The stream's highest ID may be in the table: then the sequence
+            # is repaired up to it as well.
+            assert [a for a, _d in done][0] == ADOPTED and "public.ex_outlier_stream" in done[0][1], again
+            assert {a for a, _d in done[1:]} <= {REPAIRED}, again
+            assert ("ex_outlier_stream", "instance_name", "event_stream_ordering") in registered_tables(c, name)
+        assert {a for s, a, _d in again if s not in ("events", "backfill")} == {UNCHANGED}, again
+        assert "retired_worker" not in dict(
+            rows(c, "SELECT instance_name, stream_id FROM streampos.stream_positions WHERE stream_name = 'events'")
+        )
 
