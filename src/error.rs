@@ -117,6 +117,18 @@ pub enum Error {
     Internal(String),
     #[error(transparent)]
     Token(#[from] TokenError),
+    // Synapse adoption (api/synapse.rs).
+    #[error("schema \"{0}\" does not exist")]
+    UnknownSchema(Name),
+    #[error("permission denied for schema {0}")]
+    NoSchemaUsage(Name),
+    /// The schema lacks a table (or column) every Synapse database has.
+    #[error("schema \"{schema}\" does not hold a Synapse database")]
+    NotSynapse { schema: Name, missing: String },
+    /// streampos gives a Synapse instance name another id, or a Synapse id
+    /// to another name (the message says which).
+    #[error("{0}")]
+    InstanceConflict(String),
 }
 
 impl Error {
@@ -153,6 +165,12 @@ impl Error {
             Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::Retry { .. } => Code::ERRCODE_T_R_SERIALIZATION_FAILURE,
             Error::Internal(_) => Code::ERRCODE_INTERNAL_ERROR,
+            Error::UnknownSchema(_) => Code::ERRCODE_INVALID_SCHEMA_NAME,
+            Error::NoSchemaUsage(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            // What PostgreSQL raises for a table that does not exist: the
+            // tables every Synapse database has are not there.
+            Error::NotSynapse { .. } => Code::ERRCODE_UNDEFINED_TABLE,
+            Error::InstanceConflict(_) => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::Token(e) => match e {
                 TokenError::Syntax { .. } => Code::ERRCODE_INVALID_TEXT_REPRESENTATION,
                 TokenError::OutOfRange { .. } => Code::ERRCODE_NUMERIC_VALUE_OUT_OF_RANGE,
@@ -191,6 +209,11 @@ impl Error {
                     .into(),
             ),
             Error::InvalidArgument { detail, .. } | Error::InvalidState { detail, .. } => detail.clone(),
+            Error::NotSynapse { missing, .. } => Some(missing.clone()),
+            Error::InstanceConflict(_) => Some(
+                "Tokens that clients hold name writers by Synapse's instance ids; importing would change what they mean. Nothing was changed."
+                    .into(),
+            ),
             Error::Token(e) => {
                 let d = e.detail();
                 (!d.is_empty()).then(|| d.to_string())
@@ -215,6 +238,9 @@ impl Error {
             Error::MayNotAllocate { seq, .. } => {
                 Some(format!("GRANT USAGE ON SEQUENCE {seq} TO the writing role."))
             }
+            Error::NotSynapse { .. } => Some(
+                "Pass the schema that holds Synapse's tables: streampos.adopt_synapse('<schema>').".into(),
+            ),
             _ => None,
         }
     }

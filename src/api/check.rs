@@ -10,7 +10,7 @@ use crate::error::{Error, OrRaise};
 use crate::{registry, sequence, sql};
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn check_stream(
+pub(super) fn check_stream(
     stream: &str,
     repair: default!(bool, false),
 ) -> TableIterator<

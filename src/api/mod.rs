@@ -8,9 +8,11 @@
 //! | `reading.rs` | frontier, max_allocated, writer_position(s), current_token, current_room_token, in_flight |
 //! | `follow.rs` | wait_for, updates |
 //! | `check.rs` | check_stream |
+//! | `synapse.rs` | adopt_synapse |
 
 mod check;
 mod follow;
 mod reading;
 mod streams;
+mod synapse;
 mod writing;

@@ -103,7 +103,7 @@ fn create_stream(
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn adopt_stream(
+pub(super) fn adopt_stream(
     stream: &str,
     seq: PgRelation,
     backwards: default!(bool, false),
@@ -145,7 +145,7 @@ fn adopt_stream(
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn add_table(
+pub(super) fn add_table(
     stream: &str,
     tbl: PgRelation,
     id_column: &str,
