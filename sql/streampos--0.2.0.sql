@@ -95,14 +95,14 @@ AS 'MODULE_PATHNAME', 'adopt_stream_wrapper';
 
 /* <begin connected objects> */
 CREATE  FUNCTION "adopt_synapse"(
-	"schema" name DEFAULT 'public' /* SqlName */
+	"schema" name DEFAULT 'public'
 ) RETURNS TABLE (
-	"stream" TEXT,  /* Option < String > */
-	"action" TEXT,  /* String */
-	"detail" TEXT  /* String */
+	"stream" TEXT, 
+	"action" TEXT, 
+	"detail" TEXT 
 )
 STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
+LANGUAGE c
 AS 'MODULE_PATHNAME', 'adopt_synapse_wrapper';
 /* </end connected objects> */
 
