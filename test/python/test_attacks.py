@@ -21,7 +21,6 @@ from cluster import _bin as cluster_bin
 from cluster import _run as cluster_run
 from failover_measure import setup_stream, token_positions, update_rows
 from support import (
-    DBNAME,
     connect_raw,
     create_stream,
     expect_error,
@@ -299,6 +298,46 @@ def test_a_cursor_keeps_its_writers_when_they_are_changed(db, connect, stream):
     assert second == first, f"one cursor, one snapshot: {first} then {second}"
 
 
+def test_a_backend_never_keeps_a_catalog_row_older_than_a_committed_change(db, connect, stream):
+    """BREAKS "no missed rows" (across transactions). A stream row is cached
+    when the reading snapshot sees the transaction that last *called* a
+    catalog-changing function (catalog.rs, snapshot_sees_catalog: one
+    last_xid); a change that was called earlier but commits later is not
+    that transaction. Here: A re-registers stream s (drop_stream +
+    adopt_stream on the same sequence: a new stream key) and commits after
+    B's unrelated create_stream; a REPEATABLE READ snapshot of backend R,
+    taken in between, sees B's change but not A's, so R caches the old row,
+    and keeps it after A's commit (the generation moved before R read). R's
+    next transaction allocates under the dropped key: its ID is in flight
+    in a registry state nobody reads, frontier() passes it, in_flight()
+    does not show it."""
+    other = stream + "_other"
+    db.execute(f'CREATE SEQUENCE "{stream}_q"')
+    db.execute("SELECT streampos.adopt_stream(%s, %s)", (stream, f"{stream}_q"))
+    commit_ids(db, stream, "w", 3)
+    a, b, r, writer, reader = connect(), connect(), connect(), connect(), connect()
+    assert frontier(r, stream) == 3
+    a.execute("BEGIN")
+    a.execute("SELECT streampos.drop_stream(%s)", (stream,))
+    a.execute("SELECT streampos.adopt_stream(%s, %s)", (stream, f"{stream}_q"))
+    b.execute("SELECT streampos.create_stream(%s)", (other,))
+    r.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    r.execute("SELECT 1")
+    a.execute("COMMIT")
+    assert frontier(r, stream) == 3  # the old stream: right for this snapshot
+    r.execute("COMMIT")
+    r.execute("BEGIN")
+    held = one(r, "SELECT streampos.next_id(%s, 'w')", (stream,))
+    assert held == 4
+    assert one(writer, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 5
+    seen = frontier(reader, stream)
+    shown = rows(reader, "SELECT min_id FROM streampos.in_flight(%s)", (stream,))
+    r.execute("ROLLBACK")
+    db.execute("SELECT streampos.drop_stream(%s)", (stream,))
+    db.execute(f'DROP SEQUENCE "{stream}_q"')
+    assert seen < held, f"ID {held} is in flight (in_flight shows {shown}), frontier() is {seen}"
+
+
 def test_an_imported_snapshot_answers_as_its_exporter(db, connect, stream):
     """BREAKS "answers never go down for a fixed snapshot" (imported
     snapshots). The importing backend cached the recreated stream's row in
@@ -352,8 +391,6 @@ def test_followers_work_in_a_query_with_a_parallel_plan(db, connect, stream):
         "max_parallel_workers_per_gather = 2",
     ):
         p.execute(f"SET {setting}")
-    p.execute(f'CREATE TEMP TABLE big AS SELECT g FROM generate_series(1, 100000) g')
-    p.execute("ANALYZE big")
     p.execute(f'CREATE TABLE "{table}_big" AS SELECT g FROM generate_series(1, 100000) g')
     p.execute(f'ANALYZE "{table}_big"')
     plan = "\n".join(r[0] for r in rows(p, f'EXPLAIN SELECT (SELECT count(*) FROM "{table}_big")'))
@@ -367,7 +404,7 @@ def test_followers_work_in_a_query_with_a_parallel_plan(db, connect, stream):
             p.execute(sql, (stream,))
         except psycopg.Error as e:
             failures[name] = f"{e.diag.sqlstate}: {e.diag.message_primary}"
-    db.execute(f'DROP TABLE "{table}_big"')
+    db.execute(f'DROP TABLE "{table}_big", "{table}"')
     assert failures == {}, f"followers fail next to a parallel plan: {failures}"
 
 
@@ -603,6 +640,32 @@ def test_positions_are_stored_for_a_stream_with_many_writers(db, connect, stream
         )
     finally:
         holder.execute("ROLLBACK")
+
+
+def test_a_removed_writer_stays_removed_from_stream_positions(db, connect, stream):
+    """BREAKS the hot standby's answers (forever). set_writers() deletes a
+    removed writer's stored position; the position worker, whose pass
+    started with the old writer list, upserts it again: its INSERT … ON
+    CONFLICT waits for set_writers' row lock and, the row being deleted,
+    inserts it back (sql.rs, store_positions). Nothing ever updates or
+    deletes it again, and a standby's frontier is the lowest stored
+    position: it stays at the removed writer's last position for good."""
+    create_stream(db, stream, writers=["w1", "w2"])
+    commit_ids(db, stream, "w1")
+    commit_ids(db, stream, "w2")
+    wait_until(lambda: stored_positions(db, stream) == {"w1": 2, "w2": 2}, timeout=5)
+    admin, other = connect(), connect()
+    admin.execute("BEGIN")
+    admin.execute("SELECT streampos.set_writers(%s, ARRAY['w1'])", (stream,))
+    commit_ids(other, stream, "w1")  # the worker's next pass stores this stream
+    time.sleep(1)  # …and waits for admin's row lock on w2's position
+    admin.execute("COMMIT")
+    assert commit_ids(other, stream, "w1", 3)[-1] == 6
+    wait_until(lambda: stored_positions(db, stream).get("w1") == 6, timeout=5)
+    assert stored_positions(db, stream) == {"w1": 6}, (
+        "a removed writer's position came back; a standby's frontier is now "
+        f"stuck at it: {stored_positions(db, stream)}"
+    )
 
 
 def test_stored_positions_catch_up_when_the_wal_is_flushed_late():
@@ -851,3 +914,41 @@ def test_prepare_after_an_allocation_rolled_back_to_a_savepoint_is_refused(db, c
     w.execute("ROLLBACK")
     assert rows(db, "SELECT gid FROM pg_prepared_xacts WHERE gid = %s", (stream,)) == []
     assert frontier(db, stream) == 1
+
+
+def test_a_snapshot_from_before_promotion_is_not_told_about_rows_it_cannot_see():
+    """BREAKS "no missed rows" across a promotion. A REPEATABLE READ
+    transaction on a hot standby takes its snapshot, the standby replays
+    ten more commits, and is promoted. The transaction's first frontier()
+    call after promotion is answered from the registry (engine.rs,
+    fresh_answer: in_recovery() is false now), which was just loaded from
+    the sequence and holds nothing: frontier() is 30 (or up to 32 more),
+    but the snapshot, taken during recovery, sees rows 1..20 only. The
+    registry cannot know what an old snapshot saw; a snapshot taken during
+    recovery has to keep the standby's answer (stored positions), or be
+    refused."""
+    with Clusters() as clusters:
+        pair = clusters.pair()
+        primary, standby = pair
+        setup_stream(primary, writers=["w1"])
+        with primary.connect() as p:
+            for _ in range(20):
+                p.execute("INSERT INTO ev SELECT streampos.next_id('ev', 'w1'), 'w1', 'r'")
+            p.execute("SELECT pg_sleep(0.5)")  # the worker stores the position
+        pair.caught_up()
+        reader = standby.connect()
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        assert one(reader, "SELECT count(*) FROM ev") == 20  # the snapshot
+        with primary.connect() as p:
+            for _ in range(10):
+                p.execute("INSERT INTO ev SELECT streampos.next_id('ev', 'w1'), 'w1', 'r'")
+        pair.caught_up()
+        pair.failover()
+        f = one(reader, "SELECT streampos.frontier('ev')")
+        visible = one(reader, "SELECT count(*) FROM ev WHERE id <= streampos.frontier('ev')")
+        reader.execute("ROLLBACK")
+        with standby.connect() as c:
+            committed = one(c, "SELECT count(*) FROM ev WHERE id <= %s", (f,))
+        assert visible == committed, (
+            f"frontier() {f} for a snapshot that sees {visible} of the {committed} rows at or below it"
+        )
