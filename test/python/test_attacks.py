@@ -601,6 +601,26 @@ def test_a_dropped_stream_table_does_not_break_updates(db, stream):
     assert checks
 
 
+def test_updates_reads_a_table_with_more_than_100_columns(db, stream):
+    """BREAKS updates() for wide tables (minor). Each row is built with one
+    jsonb_build_array(t.c1, …, t.cN) call (sql.rs, updates_answer), and a
+    function takes at most 100 arguments: add_table() accepts a table of
+    102 columns, and every updates() of the stream then fails (54023)."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    columns = ", ".join(f"c{i} int" for i in range(100))
+    db.execute(f'CREATE TABLE "{table}" (id bigint, instance_name text, {columns})')
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    db.execute(f'INSERT INTO "{table}" (id, instance_name) SELECT streampos.next_id(%s, %s), %s', (stream, "w", "w"))
+    try:
+        answer = one(db, "SELECT streampos.updates(%s, '0')", (stream,))
+    except psycopg.Error as e:
+        pytest.fail(f"updates() of a 102-column table: {e.diag.sqlstate}: {e.diag.message_primary}")
+    finally:
+        db.execute(f'DROP TABLE "{table}"')
+    assert [r[:2] for r in update_rows_generic(answer)] == [[1, "w"]]
+
+
 def update_rows_generic(answer):
     """Every row of an updates() answer, in order (headers dropped)."""
     out, data, i = [], answer["data"], 0
