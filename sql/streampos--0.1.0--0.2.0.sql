@@ -232,3 +232,8 @@ AS 'MODULE_PATHNAME', 'adopt_synapse_wrapper';
 REVOKE EXECUTE ON FUNCTION @extschema@.adopt_synapse(name) FROM PUBLIC;
 COMMENT ON FUNCTION @extschema@.adopt_synapse(name) IS
     'Register every stream of the Synapse database in schema, with its sequence, tables, instance ids and positions';
+
+-- Followers take the latest snapshot under READ COMMITTED, which PostgreSQL
+-- refuses while a parallel plan runs elsewhere in the query.
+ALTER FUNCTION @extschema@.wait_for(text, bigint, integer) PARALLEL UNSAFE;
+ALTER FUNCTION @extschema@.updates(text, @extschema@.multi_writer_token, integer, integer) PARALLEL UNSAFE;

@@ -66,6 +66,8 @@ pub enum Error {
     },
     #[error("cannot PREPARE a transaction that has allocated stream IDs")]
     Prepare,
+    #[error("cannot PREPARE a transaction that has changed the stream catalog")]
+    PrepareCatalog,
     #[error("cannot allocate stream IDs {0}")]
     ReadOnly(&'static str),
     /// Something that needs the primary's registry, on a hot standby.
@@ -79,6 +81,15 @@ pub enum Error {
         stream: Name,
         position: String,
         max_allocated: i64,
+    },
+    /// A follower's position lies where this server, started from WAL, has
+    /// no rows: it came from a history this server lost.
+    #[error("token position {position} of stream \"{stream}\" is not in this server's history")]
+    LostHistory {
+        stream: Name,
+        position: i64,
+        have: i64,
+        ceiling: i64,
     },
     /// Input beyond a documented size limit.
     #[error("{what} is too large")]
@@ -150,11 +161,13 @@ impl Error {
             | Error::InvalidState { .. }
             | Error::InstancesImmutable => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::RegistryFull { .. } => Code::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-            Error::Prepare => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
+            Error::Prepare | Error::PrepareCatalog => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::ReadOnly(_) | Error::Recovery(_) => Code::ERRCODE_READ_ONLY_SQL_TRANSACTION,
             // A code of its own among ours: class 72 says the state asked about
             // is not available here; the follower must resynchronise.
-            Error::AheadOfServer { .. } => Code::ERRCODE_SNAPSHOT_TOO_OLD,
+            Error::AheadOfServer { .. } | Error::LostHistory { .. } => {
+                Code::ERRCODE_SNAPSHOT_TOO_OLD
+            }
             Error::TooLarge { .. } => Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             Error::NotOwner(_) | Error::NoSelect(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
@@ -199,6 +212,9 @@ impl Error {
             Error::AheadOfServer { max_allocated, .. } => Some(format!(
                 "The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower."
             )),
+            Error::LostHistory { have, ceiling, .. } => Some(format!(
+                "This server started from WAL (after a crash or a failover); its rows end at {have}, and IDs up to {ceiling} may have been handed out by transactions it never had."
+            )),
             Error::TooLarge { limit, .. } => Some(limit.clone()),
             Error::InstancesImmutable => Some(
                 "Instance ids appear in tokens; renaming or reusing one would change what old tokens mean."
@@ -206,6 +222,10 @@ impl Error {
             ),
             Error::Prepare => Some(
                 "Stream IDs must be finished when their transaction ends; a prepared transaction would hold them in flight indefinitely."
+                    .into(),
+            ),
+            Error::PrepareCatalog => Some(
+                "Every backend must learn of a catalog change when it commits, which a prepared transaction does elsewhere."
                     .into(),
             ),
             Error::InvalidArgument { detail, .. } | Error::InvalidState { detail, .. } => detail.clone(),
@@ -231,7 +251,7 @@ impl Error {
             Error::UnknownStream(_) => Some("Create it with streampos.create_stream() or streampos.adopt_stream().".into()),
             Error::StandbyWait => Some("Poll streampos.stream_positions, or follow the primary.".into()),
             Error::Retry { .. } => Some("Retry the transaction.".into()),
-            Error::AheadOfServer { .. } => Some(
+            Error::AheadOfServer { .. } | Error::LostHistory { .. } => Some(
                 "Start the follower again from a token this server gave (e.g. streampos.current_token()), or from nothing."
                     .into(),
             ),

@@ -70,6 +70,39 @@ fn refuse_ahead(meta: &StreamMeta, what: &'static str, position: i64, shown: Str
     }
 }
 
+/// After a start from WAL (a crash, or a standby promoted) the sequence
+/// stands where the last replayed `nextval` record put it, up to 32 values
+/// past what the lost history handed out, and the frontier starts there. A
+/// token position below that point but above every row this server has
+/// comes from transactions it never had: the follower holds rows that do
+/// not exist here. (A gap of aborted IDs at the tail before the crash looks
+/// the same: that follower resynchronises needlessly, never wrongly.)
+fn refuse_lost_history(meta: &StreamMeta, index: usize, since: &Token) {
+    let ceiling = registry::replayed_ceiling(index).or_raise();
+    let Some(position) = [since.stream(), since.max_stream_pos()]
+        .into_iter()
+        .filter(|&p| p > 0 && p < ceiling)
+        .max()
+    else {
+        return;
+    };
+    let have = sql::stream_tables(&meta.name)
+        .iter()
+        .filter_map(|t| sql::table_max_id_at_most(t, ceiling))
+        .chain(sql::max_stored_position(&meta.name))
+        .max()
+        .unwrap_or(0);
+    if position > have {
+        Error::LostHistory {
+            stream: meta.name.as_str().into(),
+            position,
+            have,
+            ceiling,
+        }
+        .report();
+    }
+}
+
 /// Re-evaluate `ready` each time the stream's generation moves, until it
 /// returns true or the timeout passes (then the last evaluation's value).
 fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
@@ -96,7 +129,9 @@ fn refuse_on_standby() {
     }
 }
 
-#[pg_extern(volatile, strict, parallel_restricted)]
+// PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
+// which PostgreSQL refuses while a parallel plan runs in the query.
+#[pg_extern(volatile, strict, parallel_unsafe)]
 fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     let meta = catalog::stream(stream).or_raise();
     refuse_on_standby();
@@ -121,7 +156,9 @@ fn token_now(meta: &StreamMeta) -> Token {
     a.positions.token(&writer_ids(meta, &a))
 }
 
-#[pg_extern(volatile, strict, parallel_restricted)]
+// PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
+// which PostgreSQL refuses while a parallel plan runs in the query.
+#[pg_extern(volatile, strict, parallel_unsafe)]
 fn updates(
     stream: &str,
     since: MultiWriterToken,
@@ -159,6 +196,7 @@ fn updates(
         since.max_stream_pos(),
         since.to_text(TokenKind::MultiWriter),
     );
+    refuse_lost_history(&meta, index, &since);
     // Wait until some writer moved past `since`.
     let current = wait_until(index, timeout_ms, || {
         let t = token_now(&meta);

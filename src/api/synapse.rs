@@ -342,13 +342,22 @@ fn plan_stream<'m>(synapse: &Synapse, spec: &'m MapStream) -> Result<StreamPlan<
         }
     } else {
         match sequence::settings(seq) {
-            Some((1, 1)) => {}
-            Some((increment, cache)) => {
+            Some(s) if s.increment != 1 || s.cache != 1 => {
                 return Err(format!(
-                    "Sequence {seq_name} has INCREMENT {increment} and CACHE {cache}; streampos needs both to be 1 \
-                     (with a cache, backends hand out IDs out of order). ALTER SEQUENCE {seq_name} CACHE 1 INCREMENT 1, then call again."
+                    "Sequence {seq_name} has INCREMENT {} and CACHE {}; streampos needs both to be 1 \
+                     (with a cache, backends hand out IDs out of order). ALTER SEQUENCE {seq_name} CACHE 1 INCREMENT 1, then call again.",
+                    s.increment, s.cache
                 ))
             }
+            Some(s) if s.min < 1 || s.cycle => {
+                return Err(format!(
+                    "Sequence {seq_name} has MINVALUE {}{}; streampos needs MINVALUE 1 or more and NO CYCLE \
+                     (stream IDs are positive and never handed out twice). ALTER SEQUENCE {seq_name} MINVALUE 1 NO CYCLE, then call again.",
+                    s.min,
+                    if s.cycle { " and CYCLE" } else { "" }
+                ))
+            }
+            Some(_) => {}
             None => return Err(format!("{seq_name} is not a sequence.")),
         }
         match sql::relation_persistence(seq).as_deref() {
@@ -673,7 +682,7 @@ fn adopt_synapse(
     // registry fails the call before a sequence has moved.
     if registry::is_loaded() {
         for (plan, _) in adopted() {
-            engine::registry_index(&catalog::stream(&plan.spec.name).or_raise());
+            engine::registry_index(&catalog::stream_latest(&plan.spec.name).or_raise());
         }
     }
     for (plan, i) in adopted() {

@@ -736,26 +736,35 @@ def test_stored_positions_catch_up_when_the_wal_is_flushed_late():
 
 
 def test_sequences_at_the_bigint_limits(db, stream):
-    """BREAKS "never panic on user input" (minor). A sequence adopted at
+    """Was BROKEN "never panic on user input" (minor). A sequence adopted at
     its MINVALUE -9223372036854775808: as a backward stream, frontier()
-    negates i64::MIN (catalog.rs, StreamMeta::external) and the debug build
-    panics ("attempt to negate with overflow", XX000; a release build wraps
-    and answers -9223372036854775808); as a forward stream, its first
-    next_id() fails, because max_allocated is last_value - 1 saturated to
-    last_value itself ("the sequence returned -9223372036854775808, but
-    -9223372036854775808 was allocated before")."""
+    negated i64::MIN (a debug build panicked, XX000); as a forward stream,
+    its first next_id() failed with a confusing message. Now such a
+    sequence is refused when adopted (IDs are positive: MINVALUE 1 or more,
+    NO CYCLE, 22023), and one altered there after adoption answers its
+    frontier and refuses the allocation cleanly (55000)."""
     problems = []
     for backwards in (True, False):
         name = f"{stream}_{'b' if backwards else 'f'}"
         db.execute(
             f'CREATE SEQUENCE "{name}_seq" MINVALUE -9223372036854775808 START -9223372036854775808'
         )
+        expect_error(
+            db, "SELECT streampos.adopt_stream(%s, %s, backwards => %s)",
+            (name, f"{name}_seq", backwards), "22023",
+        )
+        db.execute(f'ALTER SEQUENCE "{name}_seq" MINVALUE 1 START 1 RESTART 1')
         db.execute("SELECT streampos.adopt_stream(%s, %s, backwards => %s)", (name, f"{name}_seq", backwards))
+        db.execute(
+            f'ALTER SEQUENCE "{name}_seq" MINVALUE -9223372036854775808 RESTART -9223372036854775808'
+        )
         try:
-            frontier(db, name)
+            assert frontier(db, name) == 0
             db.execute("BEGIN")
-            one(db, "SELECT streampos.next_id(%s, 'w')", (name,))
+            expect_error(db, "SELECT streampos.next_id(%s, 'w')", (name,), "55000")
             db.execute("ROLLBACK")
+            checks = dict((r[0], r[1]) for r in rows(db, "SELECT * FROM streampos.check_stream(%s)", (name,)))
+            assert checks["sequence"] is False, checks
         except psycopg.Error as e:
             db.execute("ROLLBACK")
             problems.append(f"backwards={backwards}: {e.diag.sqlstate} {e.diag.message_primary}")
