@@ -73,11 +73,14 @@ pub enum Error {
     Recovery(&'static str),
     /// A follower's position is beyond anything this server allocated: it
     /// followed a server whose commits this one does not have.
+    /// `position` is shown clipped; `highest` is a token's highest
+    /// position, which the clipped text may not show.
     #[error("{what} {position} of stream \"{stream}\" is beyond anything this server allocated")]
     AheadOfServer {
         what: &'static str,
         stream: Name,
         position: String,
+        highest: Option<i64>,
         max_allocated: i64,
     },
     /// Input beyond a documented size limit.
@@ -196,8 +199,13 @@ impl Error {
             Error::MayNotAllocate { seq, .. } => Some(format!(
                 "Allocating needs USAGE or UPDATE on the stream's sequence {seq}, as nextval() does."
             )),
-            Error::AheadOfServer { max_allocated, .. } => Some(format!(
-                "The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower."
+            Error::AheadOfServer {
+                highest,
+                max_allocated,
+                ..
+            } => Some(format!(
+                "{}The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower.",
+                highest.map_or(String::new(), |h| format!("The token's highest position is {h}. "))
             )),
             Error::TooLarge { limit, .. } => Some(limit.clone()),
             Error::InstancesImmutable => Some(
