@@ -75,11 +75,14 @@ pub enum Error {
     Recovery(&'static str),
     /// A follower's position is beyond anything this server allocated: it
     /// followed a server whose commits this one does not have.
+    /// `position` is shown clipped; `highest` is a token's highest
+    /// position, which the clipped text may not show.
     #[error("{what} {position} of stream \"{stream}\" is beyond anything this server allocated")]
     AheadOfServer {
         what: &'static str,
         stream: Name,
         position: String,
+        highest: Option<i64>,
         max_allocated: i64,
     },
     /// A follower's position lies where this server, started from WAL, has
@@ -209,8 +212,13 @@ impl Error {
             Error::MayNotAllocate { seq, .. } => Some(format!(
                 "Allocating needs USAGE or UPDATE on the stream's sequence {seq}, as nextval() does."
             )),
-            Error::AheadOfServer { max_allocated, .. } => Some(format!(
-                "The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower."
+            Error::AheadOfServer {
+                highest,
+                max_allocated,
+                ..
+            } => Some(format!(
+                "{}The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower.",
+                highest.map_or(String::new(), |h| format!("The token's highest position is {h}. "))
             )),
             Error::LostHistory { have, ceiling, .. } => Some(format!(
                 "This server started from WAL (after a crash or a failover); its rows end at {have}, and IDs up to {ceiling} may have been handed out by transactions it never had."

@@ -129,21 +129,14 @@ token_sql_type!(
 );
 
 fn parse(kind: TokenKind, input: &CStr) -> Token {
-    match input.to_str() {
-        Ok(text) => Token::parse(kind, text).or_raise(),
-        // Our syntax is ASCII, so the server encoding cannot produce a valid token
-        // that is not UTF-8; report the bytes lossily.
-        Err(_) => Error::Token(streampos_core::token::TokenError::Syntax {
-            type_name: kind.type_name(),
-            text: String::from_utf8_lossy(input.to_bytes()).into_owned(),
-            detail: "The text is not valid UTF-8.".into(),
-        })
-        .report(),
-    }
+    // Bytes, not text: in a SQL_ASCII or LATIN1 database the input need not
+    // be UTF-8 (then it is no token, and the error quotes it clipped).
+    Token::parse_bytes(kind, input.to_bytes()).or_raise()
 }
 
 fn print(kind: TokenKind, token: &Token) -> CString {
-    let mut text = String::with_capacity(24);
+    // Exactly the text and its NUL: no copy when CString::new appends it.
+    let mut text = String::with_capacity(token.text_len(kind) + 1);
     token.write_text(kind, &mut text);
     // Printed tokens are ASCII digits and punctuation: no interior NUL.
     CString::new(text).unwrap_or_default()
@@ -292,7 +285,7 @@ macro_rules! token_functions {
 
             #[pg_extern(immutable, strict, parallel_safe, name = "advance")]
             fn [<$module _advance>](a: $rust, b: $rust) -> $rust {
-                $rust(a.0.advance(&b.0))
+                $rust(a.0.advance(&b.0).or_raise())
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = "bound")]

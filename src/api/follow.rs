@@ -8,7 +8,7 @@ use pgrx::pgrx_sql_entity_graph::metadata::{
     ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
 };
 use pgrx::prelude::*;
-use streampos_core::token::{Token, TokenKind};
+use streampos_core::token::{clip_lossy, Token, TokenKind, MAX_QUOTED_TEXT};
 
 use crate::catalog::{self, StreamMeta};
 use crate::engine::{self, in_recovery, registry_index, writer_ids};
@@ -56,14 +56,22 @@ fn with_row_snapshot<T>(f: impl FnOnce() -> T) -> T {
 
 /// A follower must not wait for, or read from, a position this server never
 /// reached: after an asynchronous failover or a point-in-time recovery its
-/// history differs from the one the follower saw.
-fn refuse_ahead(meta: &StreamMeta, what: &'static str, position: i64, shown: String) {
+/// history differs from the one the follower saw. `shown` (what the error
+/// quotes, clipped) is only built for the error.
+fn refuse_ahead(
+    meta: &StreamMeta,
+    what: &'static str,
+    position: i64,
+    shown: impl FnOnce() -> (String, Option<i64>),
+) {
     let allocated = answer_now(meta).positions.max_allocated;
     if position > allocated {
+        let (shown, highest) = shown();
         Error::AheadOfServer {
             what,
             stream: meta.name.as_str().into(),
-            position: shown,
+            position: clip_lossy(shown.as_bytes(), MAX_QUOTED_TEXT),
+            highest,
             max_allocated: meta.external(allocated),
         }
         .report();
@@ -142,7 +150,7 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     } else {
         stream_id
     };
-    refuse_ahead(&meta, "target", target, stream_id.to_string());
+    refuse_ahead(&meta, "target", target, || (stream_id.to_string(), None));
     let reached = wait_until(index, timeout_ms, || {
         let f = answer_now(&meta).frontier();
         (f >= target, f)
@@ -190,12 +198,14 @@ fn updates(
     refuse_on_standby();
     let index = registry_index(&meta);
     let since = since.0;
-    refuse_ahead(
-        &meta,
-        "token",
-        since.max_stream_pos(),
-        since.to_text(TokenKind::MultiWriter),
-    );
+    // A token at the cap prints to hundreds of kilobytes: the error quotes
+    // it clipped and names its highest position.
+    refuse_ahead(&meta, "token", since.max_stream_pos(), || {
+        (
+            since.to_text(TokenKind::MultiWriter),
+            Some(since.max_stream_pos()),
+        )
+    });
     refuse_lost_history(&meta, index, &since);
     // Wait until some writer moved past `since`.
     let current = wait_until(index, timeout_ms, || {
@@ -203,7 +213,9 @@ fn updates(
         (!t.is_before_or_eq(&since), t)
     });
     // Never hand a follower a token behind the one it gave us.
-    let until = since.advance(&current);
+    // A `since` listing other instances up to the cap can join the stream's
+    // writers to more than the cap: 54000, as for any token.
+    let until = since.advance(&current).or_raise();
     let tables = sql::stream_tables(stream);
     let limit = max_rows as usize;
     let since_text = since.to_text(TokenKind::MultiWriter);
@@ -237,7 +249,7 @@ fn updates(
             } else {
                 first_excluded
             };
-            (since.advance(&until.bound(cut)), cut, true)
+            (since.advance(&until.bound(cut)).or_raise(), cut, true)
         } else {
             (until.clone(), high, false)
         };
