@@ -1,11 +1,11 @@
 --
 -- api_errors: the single-session errors of streams, writers, allocation and
--- reading, with their exact messages, details and hints (SQLSTATEs are in
+-- reading, with their exact messages, details and hints (their SQLSTATEs are in
 -- docs/contract.md, "Errors"). Concurrency, privileges of other roles and
 -- servers are tested from Python (test/python).
 --
 CREATE EXTENSION IF NOT EXISTS streampos;
-\set VERBOSITY verbose
+\set VERBOSITY default
 SET search_path = public;
 
 -- Streams.
@@ -23,6 +23,13 @@ SELECT streampos.adopt_stream('api_c', 'api_cached');
 CREATE UNLOGGED SEQUENCE api_unlogged;
 SELECT streampos.adopt_stream('api_u', 'api_unlogged');
 SELECT streampos.adopt_stream('api_dup', 'streampos.api_s_seq');
+CREATE SEQUENCE api_negative MINVALUE -10;
+SELECT streampos.adopt_stream('api_m', 'api_negative');
+CREATE SEQUENCE api_cycle CYCLE;
+SELECT streampos.adopt_stream('api_y', 'api_cycle');
+BEGIN;
+SELECT streampos.create_stream('api_prepared')::text;
+PREPARE TRANSACTION 'api_catalog';
 SELECT streampos.add_table('api_s', 'api_t', 'nope');
 SELECT streampos.add_table('api_s', 'api_t', 'id', 'nope');
 SELECT streampos.add_table('api_s', 'api_t', 'id', 'who');
@@ -51,6 +58,12 @@ PREPARE TRANSACTION 'api_p';
 SELECT streampos.frontier('api_s'), streampos.max_allocated('api_s');
 SELECT streampos.writer_position('api_s', 'w3');
 
+-- A sequence moved back below what was handed out.
+SELECT streampos.next_ids('api_s', 'w1', 3);
+SELECT setval('streampos.api_s_seq', 1);
+SELECT streampos.next_id('api_s', 'w1');
+SELECT setval('streampos.api_s_seq', 4);
+
 -- Followers.
 SELECT streampos.updates('api_s', '0', 0);
 SELECT streampos.updates('api_s', '0', 10001);
@@ -67,3 +80,5 @@ SELECT streampos.drop_stream('api_s');
 DROP TABLE api_t;
 DROP SEQUENCE api_cached;
 DROP SEQUENCE api_unlogged;
+DROP SEQUENCE api_negative;
+DROP SEQUENCE api_cycle;
