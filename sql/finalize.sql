@@ -198,6 +198,7 @@ REVOKE EXECUTE ON FUNCTION add_table(text, regclass, text, text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION set_writers(text, text[]) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION drop_stream(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION instance_id(text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION adopt_synapse(name) FROM PUBLIC;
 
 -- Comments: what each object is for, as \df+ and \dT+ show them.
 COMMENT ON TYPE room_stream_token IS
@@ -260,6 +261,8 @@ COMMENT ON FUNCTION current_token(text) IS 'The frontier plus every writer ahead
 COMMENT ON FUNCTION current_room_token(text) IS 'current_token as a room token';
 COMMENT ON FUNCTION in_flight(text) IS 'Who is holding the frontier back, and since when';
 COMMENT ON FUNCTION check_stream(text, boolean) IS 'Check the sequence against tables and stored positions; repair moves it forward';
+COMMENT ON FUNCTION adopt_synapse(name) IS
+    'Register every stream of the Synapse database in schema, with its sequence, tables, instance ids and positions';
 COMMENT ON FUNCTION wait_for(text, bigint, integer) IS
     'Sleep until the frontier reaches stream_id or the timeout passes; returns the frontier';
 COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer) IS

@@ -216,3 +216,24 @@ BEGIN
     END LOOP;
 END
 $upgrade$;
+
+-- adopt_synapse(): every stream of a Synapse database in one call
+-- (docs/synapse-streams.md). It changes the catalog, so it is not for PUBLIC.
+CREATE FUNCTION @extschema@."adopt_synapse"(
+	"schema" name DEFAULT 'public'
+) RETURNS TABLE (
+	"stream" TEXT,
+	"action" TEXT,
+	"detail" TEXT
+)
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'adopt_synapse_wrapper';
+REVOKE EXECUTE ON FUNCTION @extschema@.adopt_synapse(name) FROM PUBLIC;
+COMMENT ON FUNCTION @extschema@.adopt_synapse(name) IS
+    'Register every stream of the Synapse database in schema, with its sequence, tables, instance ids and positions';
+
+-- Followers take the latest snapshot under READ COMMITTED, which PostgreSQL
+-- refuses while a parallel plan runs elsewhere in the query.
+ALTER FUNCTION @extschema@.wait_for(text, bigint, integer) PARALLEL UNSAFE;
+ALTER FUNCTION @extschema@.updates(text, @extschema@.multi_writer_token, integer, integer) PARALLEL UNSAFE;

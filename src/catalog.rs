@@ -2,22 +2,34 @@
 //! per-backend cache: writers look their stream up on every allocation, and
 //! the catalog changes rarely.
 //!
-//! The cache is dropped when the shared catalog generation moves (any
-//! backend's catalog change, bumped at the call and again when its
-//! transaction ends) and after any abort in this backend (an instance created
-//! by an aborted transaction does not exist). A stream row is cached only if
-//! it was read by a snapshot that sees the latest catalog-changing
-//! transaction, whose xid is kept in shared memory. Dropping and creating
-//! the extension again (which restarts stream keys) is noticed through the
-//! relcache invalidation of the dropped catalog table.
+//! Which row a lookup must return depends on who asks. A reader (frontier,
+//! tokens, followers) answers for its snapshot, so it reads the row that
+//! snapshot sees: a cursor opened before `drop_stream` keeps the old stream
+//! on every FETCH. A writer allocates under the stream as it is now (the
+//! latest committed catalog plus its own changes), whatever its snapshot.
+//!
+//! Which snapshots may use the cache: a cached row was read by a snapshot
+//! that saw every committed catalog change, at a generation that has not
+//! moved since. Another snapshot reads the same row if it too sees every
+//! committed change and no commit came in between. The shared state (in the
+//! registry's shared memory) has the generation, which moves when a
+//! catalog-changing transaction starts committing and again when it has
+//! ended; the number of such transactions committing right now (nobody uses
+//! the cache meanwhile: a new snapshot may see the change before the
+//! generation moves the second time); and the xids of the latest 16 such
+//! commits, which a snapshot must all see (and be newer than the ones
+//! before). A transaction that changed the catalog itself, and a hot
+//! standby (whose changes arrive by replay, which runs no callback), never
+//! use it. Instance ids never change once committed: their cache is only
+//! dropped after an abort, a rolled-back savepoint (an instance it created
+//! is gone), or when the extension was dropped and created again (noticed
+//! through the relcache invalidation of the dropped catalog table).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
 
 use pgrx::pg_sys;
-use pgrx::pg_sys::TransactionId;
 
 use crate::error::Error;
 use crate::fast_hash::FastMap;
@@ -35,10 +47,11 @@ pub struct StreamMeta {
 }
 
 impl StreamMeta {
-    /// Internal (positive) numbering to the API's.
+    /// Internal (positive) numbering to the API's. Saturating: a value read
+    /// from a sequence altered to i64::MIN has no negation.
     pub fn external(&self, id: i64) -> i64 {
         if self.backwards {
-            -id
+            id.checked_neg().unwrap_or(i64::MAX)
         } else {
             id
         }
@@ -53,7 +66,8 @@ impl StreamMeta {
 
 #[derive(Default)]
 struct Cache {
-    generation: Option<u64>,
+    /// The generation the stream rows were read at.
+    generation: u64,
     /// Shared, not copied: every call of every function looks its stream up.
     streams: FastMap<String, Rc<StreamMeta>>,
     instance_ids: FastMap<String, i32>,
@@ -66,48 +80,82 @@ static mut STREAMS_TABLE: pg_sys::Oid = pg_sys::InvalidOid;
 
 thread_local! {
     static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
-    /// Set by the abort callback (which must not allocate or free).
+    /// Set by callbacks (which must not allocate or free): clear everything,
+    /// instance ids too, at the next use.
     static CLEAR_ON_NEXT_USE: Cell<bool> = const { Cell::new(false) };
-    /// This transaction changed the catalog: bump the generation at its end.
-    static CHANGED: Cell<bool> = const { Cell::new(false) };
+    /// This transaction changed the catalog, as top xid (0: it did not).
+    static CHANGED_BY: Cell<u32> = const { Cell::new(0) };
+    /// This transaction counted itself in `committing` at pre-commit.
+    static COMMITTING: Cell<bool> = const { Cell::new(false) };
+    /// Streams dropped by this transaction, by the subtransaction that
+    /// dropped them: marked dropped in the registry when it commits.
+    static PENDING_DROPS: RefCell<Vec<(i32, pg_sys::SubTransactionId)>> =
+        const { RefCell::new(Vec::new()) };
 }
 
-// --------------------------------------------------------------- generation
+// ------------------------------------------------------- the shared state
 
-fn generation() -> Option<u64> {
-    registry::catalog_sync().map(|c| c.generation.load(Ordering::Acquire))
-}
-
-fn bump_generation() {
-    if let Some(c) = registry::catalog_sync() {
-        c.generation.fetch_add(1, Ordering::AcqRel);
+/// The generation at which `snapshot` (None: a new latest snapshot) may use
+/// the cache, or None when it may not (see the module comment).
+fn cache_generation(snapshot: Option<pg_sys::Snapshot>) -> Option<u64> {
+    if CHANGED_BY.get() != 0 || crate::engine::in_recovery() {
+        return None;
     }
+    let state = registry::catalog_sync()?.read();
+    if state.committing > 0 {
+        return None;
+    }
+    if let Some(snapshot) = snapshot {
+        let n = (state.recent_pushed as usize).min(registry::RECENT_CATALOG_CHANGES);
+        // SAFETY: `snapshot` is the caller's valid MVCC snapshot.
+        let xmin = unsafe { (*snapshot).xmin };
+        for &xid in &state.recent[..n] {
+            let xid = pg_sys::TransactionId::from_inner(xid);
+            // Before the snapshot's xmin: seen as ended (the first thing
+            // XidInMVCCSnapshot checks), without the call.
+            if registry::xid_precedes(xid, xmin) {
+                continue;
+            }
+            // SAFETY: `snapshot` is the caller's valid MVCC snapshot; the
+            // xid is a committed top-level xid.
+            if unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) } {
+                return None;
+            }
+        }
+        let sees_older = state.evicted == 0
+            || registry::xid_precedes(pg_sys::TransactionId::from_inner(state.evicted), xmin);
+        if !sees_older {
+            return None;
+        }
+    }
+    Some(state.generation)
 }
 
-/// Does `snapshot` see the latest catalog change as finished? Rows it read
-/// may then be cached (they stay valid until the generation moves).
-fn snapshot_sees_catalog(snapshot: pg_sys::Snapshot) -> bool {
-    let Some(c) = registry::catalog_sync() else {
-        return false;
-    };
-    let xid = TransactionId::from_inner(c.last_xid.load(Ordering::Acquire));
-    // SAFETY: `snapshot` is the caller's valid MVCC snapshot.
-    xid == TransactionId::INVALID || !unsafe { pg_sys::XidInMVCCSnapshot(xid, snapshot) }
-}
-
-fn with_cache<R>(f: impl FnOnce(&mut Cache) -> R) -> R {
+/// The cache as of `generation` (older rows dropped).
+fn with_cache<R>(generation: u64, f: impl FnOnce(&mut Cache) -> R) -> R {
     CACHE.with(|c| {
         let mut cache = c.borrow_mut();
-        let generation = generation();
-        if CLEAR_ON_NEXT_USE.with(|x| x.replace(false))
-            || generation.is_none()
-            || cache.generation != generation
-        {
+        if CLEAR_ON_NEXT_USE.replace(false) {
             cache.streams.clear();
             cache.instance_ids.clear();
+        }
+        if cache.generation != generation {
+            cache.streams.clear();
             cache.generation = generation;
         }
         f(&mut cache)
+    })
+}
+
+/// The instance-id cache (valid whatever the generation).
+fn with_instance_cache<R>(f: impl FnOnce(&mut FastMap<String, i32>) -> R) -> R {
+    CACHE.with(|c| {
+        let mut cache = c.borrow_mut();
+        if CLEAR_ON_NEXT_USE.replace(false) {
+            cache.streams.clear();
+            cache.instance_ids.clear();
+        }
+        f(&mut cache.instance_ids)
     })
 }
 
@@ -129,31 +177,107 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     // SAFETY: a backend-local OID, read only here and where it is set.
     let ours = unsafe { STREAMS_TABLE };
     if relid == pg_sys::InvalidOid || (ours != pg_sys::InvalidOid && relid == ours) {
-        CLEAR_ON_NEXT_USE.with(|x| x.set(true));
+        CLEAR_ON_NEXT_USE.set(true);
         crate::registry::forget_all_indexes();
     }
 }
 
-/// From the commit and abort callbacks: no allocation, no error.
-pub fn end_transaction(committed: bool) {
-    if !committed {
-        CLEAR_ON_NEXT_USE.with(|x| x.set(true));
+/// Called by every function that changes the catalog, before it does.
+pub fn mark_changed() {
+    // SAFETY: assigns (or returns) this transaction's top xid.
+    let xid = unsafe { pg_sys::GetTopTransactionId() };
+    CHANGED_BY.set(xid.into_inner());
+    CLEAR_ON_NEXT_USE.set(true);
+}
+
+/// `drop_stream`: the registry marks the stream dropped when this
+/// transaction commits (a rollback leaves it working).
+pub fn drop_at_commit(key: i32) {
+    // SAFETY: plain read of the current subtransaction's id.
+    let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    PENDING_DROPS.with(|p| p.borrow_mut().push((key, subxact)));
+}
+
+/// Transaction callbacks (xact.rs): no allocation, no error.
+pub fn pre_commit() {
+    if CHANGED_BY.get() == 0 {
+        return;
     }
-    if CHANGED.with(|x| x.replace(false)) {
-        bump_generation();
+    if let Some(sync) = registry::catalog_sync() {
+        sync.with(|s| {
+            s.committing += 1;
+            s.generation += 1;
+        });
+        COMMITTING.set(true);
     }
 }
 
-/// Called by every function that changes the catalog.
-pub fn mark_changed() {
-    if let Some(c) = registry::catalog_sync() {
-        // SAFETY: assigns (or returns) this transaction's top xid.
-        let xid = unsafe { pg_sys::GetTopTransactionId() };
-        c.last_xid.store(xid.into_inner(), Ordering::Release);
+pub fn end_transaction(committed: bool) {
+    if !committed {
+        CLEAR_ON_NEXT_USE.set(true);
     }
-    CHANGED.with(|x| x.set(true));
-    bump_generation();
-    CLEAR_ON_NEXT_USE.with(|x| x.set(true));
+    let xid = CHANGED_BY.replace(0);
+    if committed {
+        PENDING_DROPS.with(|p| {
+            // One key at a time: the callback must not allocate.
+            for &(key, _) in p.borrow().iter() {
+                registry::mark_dropped_at_commit(&[key]);
+            }
+        });
+    }
+    // Truncating keeps the allocation: nothing is freed here.
+    PENDING_DROPS.with(|p| p.borrow_mut().truncate(0));
+    if xid == 0 {
+        return;
+    }
+    let counted = COMMITTING.replace(false);
+    if let Some(sync) = registry::catalog_sync() {
+        sync.with(|s| {
+            if counted {
+                s.committing = s.committing.saturating_sub(1);
+            }
+            if committed {
+                let at = (s.recent_pushed % registry::RECENT_CATALOG_CHANGES as u64) as usize;
+                if s.recent_pushed >= registry::RECENT_CATALOG_CHANGES as u64 {
+                    s.evicted = s.recent[at];
+                }
+                s.recent[at] = xid;
+                s.recent_pushed += 1;
+            }
+            s.generation += 1;
+        });
+    }
+}
+
+/// A subtransaction ended: forget what a rolled-back one did (an instance
+/// it created, a stream it dropped); a committed one's drops now belong to
+/// its parent.
+pub fn end_subtransaction(
+    committed: bool,
+    subxact: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+) {
+    PENDING_DROPS.with(|p| {
+        let mut drops = p.borrow_mut();
+        if committed {
+            for d in drops.iter_mut() {
+                if d.1 >= subxact {
+                    d.1 = parent;
+                }
+            }
+        } else {
+            drops.retain(|d| d.1 < subxact);
+        }
+    });
+    if !committed {
+        CLEAR_ON_NEXT_USE.set(true);
+    }
+}
+
+/// A transaction that changed the catalog cannot be prepared: its commit
+/// would happen where no callback of this backend sees it.
+pub fn changed_in_this_transaction() -> bool {
+    CHANGED_BY.get() != 0
 }
 
 // -------------------------------------------------------------------- names
@@ -179,10 +303,31 @@ fn validate_name(what: &str, name: &str, max: usize) -> Result<(), Error> {
 
 // ------------------------------------------------------------------ streams
 
-fn load_stream(name: &str) -> Option<StreamMeta> {
+/// Which catalog a lookup reads.
+#[derive(Clone, Copy, PartialEq)]
+enum View {
+    /// What the caller's snapshot sees (readers).
+    Snapshot,
+    /// The latest committed catalog and this transaction's own changes
+    /// (writers and catalog changes).
+    Latest,
+}
+
+fn load_stream(name: &str, view: View) -> Option<StreamMeta> {
     // SAFETY: a backend-local OID, written here, read by the callback.
     unsafe { STREAMS_TABLE = sql::streams_table_oid() };
-    sql::stream_row(name).map(|row| StreamMeta {
+    let snapshot = match view {
+        View::Snapshot => registry::caller_snapshot(),
+        // SAFETY: called inside a running transaction, not in parallel
+        // mode (every function that writes is PARALLEL UNSAFE). The command
+        // counter moves first, as before any SPI statement that writes, so
+        // that this transaction's own changes so far are seen.
+        View::Latest => unsafe {
+            pg_sys::CommandCounterIncrement();
+            pg_sys::GetLatestSnapshot()
+        },
+    };
+    sql::stream_row_as_of(name, snapshot).map(|row| StreamMeta {
         name: name.to_string(),
         key: row.key,
         seq: row.seq,
@@ -192,21 +337,40 @@ fn load_stream(name: &str) -> Option<StreamMeta> {
     })
 }
 
-/// The stream's catalog row, or 42704.
-pub fn stream(name: &str) -> Result<Rc<StreamMeta>, Error> {
-    if let Some(meta) = with_cache(|c| c.streams.get(name).cloned()) {
-        return Ok(meta);
+fn lookup(name: &str, view: View) -> Result<Rc<StreamMeta>, Error> {
+    let snapshot = match view {
+        View::Snapshot => Some(registry::caller_snapshot()),
+        View::Latest => None,
+    };
+    let generation = cache_generation(snapshot);
+    if let Some(g) = generation {
+        if let Some(meta) = with_cache(g, |c| c.streams.get(name).cloned()) {
+            return Ok(meta);
+        }
     }
-    let meta = Rc::new(load_stream(name).ok_or_else(|| Error::UnknownStream(name.into()))?);
-    // A snapshot older than the latest catalog change may have read a row
-    // that is gone already: use it for this call only.
-    if snapshot_sees_catalog(registry::caller_snapshot()) {
-        with_cache(|c| c.streams.insert(name.to_string(), meta.clone()));
+    let meta = Rc::new(load_stream(name, view).ok_or_else(|| Error::UnknownStream(name.into()))?);
+    // Cached only if nothing moved while it was read.
+    if let Some(g) = generation {
+        if cache_generation(snapshot) == Some(g) {
+            with_cache(g, |c| c.streams.insert(name.to_string(), meta.clone()));
+        }
     }
     Ok(meta)
 }
 
-/// Every stream of this database by registry key.
+/// The stream's catalog row as the caller's snapshot sees it, or 42704.
+pub fn stream(name: &str) -> Result<Rc<StreamMeta>, Error> {
+    lookup(name, View::Snapshot)
+}
+
+/// The stream's catalog row as it is now (for allocation and catalog
+/// changes), or 42704.
+pub fn stream_latest(name: &str) -> Result<Rc<StreamMeta>, Error> {
+    lookup(name, View::Latest)
+}
+
+/// Every stream of this database by registry key (the position worker:
+/// its own transaction, the latest catalog).
 pub fn streams_by_key() -> HashMap<i32, Rc<StreamMeta>> {
     sql::stream_names()
         .iter()
@@ -218,12 +382,12 @@ pub fn streams_by_key() -> HashMap<i32, Rc<StreamMeta>> {
 // ---------------------------------------------------------------- instances
 
 pub fn lookup_instance_id(name: &str) -> Option<i32> {
-    if let Some(id) = with_cache(|c| c.instance_ids.get(name).copied()) {
+    if let Some(id) = with_instance_cache(|c| c.get(name).copied()) {
         return Some(id);
     }
     let id = sql::instance_id_of(name);
     if let Some(id) = id {
-        with_cache(|c| c.instance_ids.insert(name.to_string(), id));
+        with_instance_cache(|c| c.insert(name.to_string(), id));
     }
     id
 }
@@ -239,7 +403,7 @@ pub fn instance_id(name: &str) -> Result<i32, Error> {
     let id = sql::insert_instance(name).or_else(|| sql::instance_id_of(name));
     match id {
         Some(id) => {
-            with_cache(|c| c.instance_ids.insert(name.to_string(), id));
+            with_instance_cache(|c| c.insert(name.to_string(), id));
             Ok(id)
         }
         None => Err(Error::Retry {

@@ -33,7 +33,8 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
     }
     let (index, loaded) = registry::stream_index(meta.key, meta.seq).or_raise();
     if !loaded {
-        let max = sequence::max_allocated(meta.seq);
+        // IDs are positive: a sequence altered below 1 has handed out none.
+        let max = sequence::max_allocated(meta.seq).max(0);
         let stored: Vec<i32> = sql::stored_positions(&meta.name)
             .into_iter()
             .map(|(id, _)| id)
@@ -85,19 +86,8 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     if unsafe { pg_sys::XactReadOnly } {
         Error::ReadOnly("in a read-only transaction").report();
     }
-    let meta = catalog::stream(stream).or_raise();
     catalog::validate_instance_name(writer).or_raise();
-    if !meta.allows(writer) {
-        Error::NotAWriter {
-            stream: stream.into(),
-            instance: writer.into(),
-        }
-        .report();
-    }
-    // Before anything is created or published: the caller must be allowed
-    // to take the sequence's values, and the sequence must be permanent.
-    sequence::check_may_allocate(meta.seq, stream);
-    let sequence = sequence::open_for_allocation(meta.seq);
+    let (meta, sequence) = current_stream(stream, writer);
     let instance = catalog::instance_id(writer).or_raise();
     if worker::ensure_running() {
         registry::prune_if_crowded().or_raise();
@@ -106,21 +96,55 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     // SAFETY: assigns (or returns) this transaction's top xid; may raise an
     // ERROR, which is fine here.
     let xid = unsafe { pg_sys::GetTopTransactionId() };
-    let (index, entry) = with_index(&meta, |index| {
+    let (index, allocation) = with_index(&meta, |index| {
         Ok(
             registry::begin_allocation(index, meta.key, meta.seq, instance, writer, xid)?
-                .map(|entry| (index, entry)),
+                .map(|allocation| (index, allocation)),
         )
     });
     guc::test_pause_in_allocation();
     let (mut ids, lsn) = sequence.next_values(n);
-    let first = ids.first().copied().unwrap_or(0);
-    let last = ids.last().copied().unwrap_or(0);
-    registry::finish_allocation(index, entry, first, last, n as i64, lsn).or_raise();
+    registry::finish_allocation(index, allocation, &ids, lsn).or_raise();
     if meta.backwards {
         ids.iter_mut().for_each(|id| *id = -*id);
     }
     ids
+}
+
+/// The stream as it is now, checked for `writer` and the caller, with its
+/// sequence held for allocation. Looked up again once the sequence is held:
+/// a `drop_stream` that held it first has committed by then, and the
+/// stream's new row (or its absence) is what counts.
+fn current_stream(stream: &str, writer: &str) -> (Rc<StreamMeta>, sequence::ForAllocation) {
+    let mut meta = catalog::stream_latest(stream).or_raise();
+    for _ in 0..3 {
+        if !meta.allows(writer) {
+            Error::NotAWriter {
+                stream: stream.into(),
+                instance: writer.into(),
+            }
+            .report();
+        }
+        // Before anything is created or published: the caller must be
+        // allowed to take the sequence's values, and the sequence must be
+        // permanent.
+        sequence::check_may_allocate(meta.seq, stream);
+        // Checked usable and held (see `lock_against_allocation`).
+        let held = sequence::open_for_allocation(meta.seq);
+        let now = catalog::stream_latest(stream).or_raise();
+        if now.key == meta.key && now.seq == meta.seq && now.writers == meta.writers {
+            return (now, held);
+        }
+        held.close();
+        meta = now;
+    }
+    Error::Retry {
+        message: format!(
+            "stream \"{}\" changed while IDs were being allocated",
+            crate::error::clip(stream)
+        ),
+    }
+    .report()
 }
 
 // ------------------------------------------------------------------ reading
@@ -131,6 +155,8 @@ pub struct Answer {
     pub positions: Positions,
     /// Writers that committed IDs since start-up or have a stored position.
     pub seen: Vec<i32>,
+    /// From stored positions only (a hot standby's snapshot).
+    pub stored_only: bool,
 }
 
 impl Answer {
@@ -138,6 +164,7 @@ impl Answer {
         Answer {
             positions: Positions::resolve(view.max_allocated, &view.holders),
             seen: view.seen,
+            stored_only: false,
         }
     }
 
@@ -373,7 +400,10 @@ pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Rc<Answer> {
 /// The answer for `snapshot` computed now, not remembered (followers that
 /// wait use a new latest snapshot each time).
 pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
-    if in_recovery() {
+    // A snapshot taken on a hot standby keeps the standby's answer after a
+    // promotion: the registry, loaded after it, cannot know what it saw.
+    // SAFETY: `snapshot` is a valid snapshot of this transaction.
+    if in_recovery() || unsafe { (*snapshot).takenDuringRecovery } {
         return standby_answer(meta);
     }
     Answer::resolve(with_index(meta, |index| {
@@ -400,6 +430,7 @@ fn standby_answer(meta: &StreamMeta) -> Answer {
     Answer {
         positions: Positions::resolve(max_allocated, &holders),
         seen: stored.iter().map(|(w, _)| *w).collect(),
+        stored_only: true,
     }
 }
 

@@ -66,6 +66,8 @@ pub enum Error {
     },
     #[error("cannot PREPARE a transaction that has allocated stream IDs")]
     Prepare,
+    #[error("cannot PREPARE a transaction that has changed the stream catalog")]
+    PrepareCatalog,
     #[error("cannot allocate stream IDs {0}")]
     ReadOnly(&'static str),
     /// Something that needs the primary's registry, on a hot standby.
@@ -73,12 +75,24 @@ pub enum Error {
     Recovery(&'static str),
     /// A follower's position is beyond anything this server allocated: it
     /// followed a server whose commits this one does not have.
+    /// `position` is shown clipped; `highest` is a token's highest
+    /// position, which the clipped text may not show.
     #[error("{what} {position} of stream \"{stream}\" is beyond anything this server allocated")]
     AheadOfServer {
         what: &'static str,
         stream: Name,
         position: String,
+        highest: Option<i64>,
         max_allocated: i64,
+    },
+    /// A follower's position lies where this server, started from WAL, has
+    /// no rows: it came from a history this server lost.
+    #[error("token position {position} of stream \"{stream}\" is not in this server's history")]
+    LostHistory {
+        stream: Name,
+        position: i64,
+        have: i64,
+        ceiling: i64,
     },
     /// Input beyond a documented size limit.
     #[error("{what} is too large")]
@@ -117,6 +131,18 @@ pub enum Error {
     Internal(String),
     #[error(transparent)]
     Token(#[from] TokenError),
+    // Synapse adoption (api/synapse.rs).
+    #[error("schema \"{0}\" does not exist")]
+    UnknownSchema(Name),
+    #[error("permission denied for schema {0}")]
+    NoSchemaUsage(Name),
+    /// The schema lacks a table (or column) every Synapse database has.
+    #[error("schema \"{schema}\" does not hold a Synapse database")]
+    NotSynapse { schema: Name, missing: String },
+    /// streampos gives a Synapse instance name another id, or a Synapse id
+    /// to another name (the message says which).
+    #[error("{0}")]
+    InstanceConflict(String),
 }
 
 impl Error {
@@ -138,11 +164,13 @@ impl Error {
             | Error::InvalidState { .. }
             | Error::InstancesImmutable => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::RegistryFull { .. } => Code::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-            Error::Prepare => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
+            Error::Prepare | Error::PrepareCatalog => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::ReadOnly(_) | Error::Recovery(_) => Code::ERRCODE_READ_ONLY_SQL_TRANSACTION,
             // A code of its own among ours: class 72 says the state asked about
             // is not available here; the follower must resynchronise.
-            Error::AheadOfServer { .. } => Code::ERRCODE_SNAPSHOT_TOO_OLD,
+            Error::AheadOfServer { .. } | Error::LostHistory { .. } => {
+                Code::ERRCODE_SNAPSHOT_TOO_OLD
+            }
             Error::TooLarge { .. } => Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             Error::NotOwner(_) | Error::NoSelect(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
@@ -153,6 +181,12 @@ impl Error {
             Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::Retry { .. } => Code::ERRCODE_T_R_SERIALIZATION_FAILURE,
             Error::Internal(_) => Code::ERRCODE_INTERNAL_ERROR,
+            Error::UnknownSchema(_) => Code::ERRCODE_INVALID_SCHEMA_NAME,
+            Error::NoSchemaUsage(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            // What PostgreSQL raises for a table that does not exist: the
+            // tables every Synapse database has are not there.
+            Error::NotSynapse { .. } => Code::ERRCODE_UNDEFINED_TABLE,
+            Error::InstanceConflict(_) => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::Token(e) => match e {
                 TokenError::Syntax { .. } => Code::ERRCODE_INVALID_TEXT_REPRESENTATION,
                 TokenError::OutOfRange { .. } => Code::ERRCODE_NUMERIC_VALUE_OUT_OF_RANGE,
@@ -178,8 +212,16 @@ impl Error {
             Error::MayNotAllocate { seq, .. } => Some(format!(
                 "Allocating needs USAGE or UPDATE on the stream's sequence {seq}, as nextval() does."
             )),
-            Error::AheadOfServer { max_allocated, .. } => Some(format!(
-                "The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower."
+            Error::AheadOfServer {
+                highest,
+                max_allocated,
+                ..
+            } => Some(format!(
+                "{}The highest ID this server allocated is {max_allocated}. The follower's rows after it may not exist here: after a failover or a point-in-time recovery, resynchronise the follower.",
+                highest.map_or(String::new(), |h| format!("The token's highest position is {h}. "))
+            )),
+            Error::LostHistory { have, ceiling, .. } => Some(format!(
+                "This server started from WAL (after a crash or a failover); its rows end at {have}, and IDs up to {ceiling} may have been handed out by transactions it never had."
             )),
             Error::TooLarge { limit, .. } => Some(limit.clone()),
             Error::InstancesImmutable => Some(
@@ -190,7 +232,16 @@ impl Error {
                 "Stream IDs must be finished when their transaction ends; a prepared transaction would hold them in flight indefinitely."
                     .into(),
             ),
+            Error::PrepareCatalog => Some(
+                "Every backend must learn of a catalog change when it commits, which a prepared transaction does elsewhere."
+                    .into(),
+            ),
             Error::InvalidArgument { detail, .. } | Error::InvalidState { detail, .. } => detail.clone(),
+            Error::NotSynapse { missing, .. } => Some(missing.clone()),
+            Error::InstanceConflict(_) => Some(
+                "Tokens that clients hold name writers by Synapse's instance ids; importing would change what they mean. Nothing was changed."
+                    .into(),
+            ),
             Error::Token(e) => {
                 let d = e.detail();
                 (!d.is_empty()).then(|| d.to_string())
@@ -208,13 +259,16 @@ impl Error {
             Error::UnknownStream(_) => Some("Create it with streampos.create_stream() or streampos.adopt_stream().".into()),
             Error::StandbyWait => Some("Poll streampos.stream_positions, or follow the primary.".into()),
             Error::Retry { .. } => Some("Retry the transaction.".into()),
-            Error::AheadOfServer { .. } => Some(
+            Error::AheadOfServer { .. } | Error::LostHistory { .. } => Some(
                 "Start the follower again from a token this server gave (e.g. streampos.current_token()), or from nothing."
                     .into(),
             ),
             Error::MayNotAllocate { seq, .. } => {
                 Some(format!("GRANT USAGE ON SEQUENCE {seq} TO the writing role."))
             }
+            Error::NotSynapse { .. } => Some(
+                "Pass the schema that holds Synapse's tables: streampos.adopt_synapse('<schema>').".into(),
+            ),
             _ => None,
         }
     }

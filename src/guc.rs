@@ -2,7 +2,8 @@
 
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
-/// (database, stream) pairs the registry can track at once.
+/// (database, stream) pairs the registry can track at once, in the whole
+/// cluster.
 pub static MAX_STREAMS: GucSetting<i32> = GucSetting::<i32>::new(256);
 /// (stream, writer) pairs one transaction can allocate from.
 pub static MAX_STREAMS_PER_TRANSACTION: GucSetting<i32> = GucSetting::<i32>::new(8);
@@ -58,7 +59,7 @@ pub fn define(preloading: bool) {
 fn define_registry_sizes() {
     GucRegistry::define_int_guc(
         c"streampos.max_streams",
-        c"Streams (per database) that the in-flight registry can track.",
+        c"Streams (of all databases together) that the in-flight registry can track.",
         c"Each stream that allocated or was read since start-up takes one slot.",
         &MAX_STREAMS,
         1,

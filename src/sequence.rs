@@ -76,6 +76,21 @@ fn with_page<T>(
     }
 }
 
+/// Allocation holds the sequence (ROW EXCLUSIVE, as `nextval` takes it,
+/// until the transaction ends) before it registers anything
+/// (`open_for_allocation`); `drop_stream` takes EXCLUSIVE on it, so it waits
+/// for every transaction allocating from it, and every later allocation
+/// waits for it and then sees its change.
+pub fn lock_against_allocation(seq: pg_sys::Oid) {
+    // SAFETY: takes a heavyweight lock held to the end of the transaction;
+    // waits and deadlocks are PostgreSQL ERRORs crossing the boundary.
+    unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            pg_sys::LockRelationOid(seq, pg_sys::ExclusiveLock as pg_sys::LOCKMODE)
+        })
+    }
+}
+
 /// Refuse a sequence a stream cannot use: not a sequence, or not permanent
 /// (an UNLOGGED sequence resets at crash recovery and would hand out its IDs
 /// again; a TEMP one is another session's).
@@ -105,10 +120,10 @@ pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
 }
 
 /// A stream's sequence opened for one allocation: checked usable (a
-/// sequence, permanent), and locked as `nextval` locks it (RowExclusiveLock,
-/// kept until the transaction ends, as `nextval` keeps it; its own lock
-/// request then finds the lock held). One open serves the check and the
-/// WAL position read after `nextval`.
+/// sequence, permanent), and held (RowExclusiveLock, as `nextval` takes it,
+/// until the transaction ends; `nextval`'s own lock request then finds it
+/// held; see `lock_against_allocation`). One open serves the check, the
+/// lock and the WAL position read after `nextval`.
 pub struct ForAllocation {
     rel: pg_sys::Relation,
 }
@@ -154,6 +169,15 @@ pub fn open_for_allocation(seq: pg_sys::Oid) -> ForAllocation {
 }
 
 impl ForAllocation {
+    /// Not allocating after all (the stream changed meanwhile): close the
+    /// relation; the lock stays until the transaction ends.
+    pub fn close(self) {
+        // SAFETY: the relation is open (by `open_for_allocation`).
+        unsafe {
+            pg_sys::relation_close(self.rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        }
+    }
+
     /// `n` values of the sequence, and the end of the WAL record that makes
     /// them survive a crash: the LSN of the sequence's page after the last
     /// `nextval` (nextval logs 32 values ahead, whichever backend's call
@@ -227,7 +251,49 @@ pub fn max_allocated(seq: pg_sys::Oid) -> i64 {
     }
 }
 
-/// (INCREMENT, CACHE), or None when `seq` is not a sequence.
-pub fn settings(seq: pg_sys::Oid) -> Option<(i64, i64)> {
+/// The settings a stream's sequence must have.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub increment: i64,
+    pub cache: i64,
+    pub min: i64,
+    pub cycle: bool,
+}
+
+impl Settings {
+    /// What is wrong with them, as (message, detail), for `sequence_name`.
+    /// INCREMENT and CACHE 1: with a cache, backends hand out IDs out of
+    /// order. MINVALUE 1 or more and NO CYCLE: IDs are positive and never
+    /// handed out twice.
+    pub fn problem(&self, sequence_name: &str) -> Option<(String, String)> {
+        if self.increment != 1 || self.cache != 1 {
+            return Some((
+                format!("sequence {sequence_name} must have INCREMENT 1 and CACHE 1"),
+                format!(
+                    "It has INCREMENT {} and CACHE {}. With a cache, backends hand out IDs out of order, which no registry can see.",
+                    self.increment, self.cache
+                ),
+            ));
+        }
+        if self.min < 1 || self.cycle {
+            return Some((
+                format!("sequence {sequence_name} must have MINVALUE 1 or more and NO CYCLE"),
+                format!(
+                    "It has MINVALUE {}{}. Stream IDs are positive and never handed out twice.",
+                    self.min,
+                    if self.cycle {
+                        " and CYCLE"
+                    } else {
+                        " and NO CYCLE"
+                    }
+                ),
+            ));
+        }
+        None
+    }
+}
+
+/// The sequence's settings, or None when `seq` is not a sequence.
+pub fn settings(seq: pg_sys::Oid) -> Option<Settings> {
     sql::sequence_settings(seq)
 }

@@ -200,27 +200,92 @@ pub struct StreamRow {
     pub writers: Option<Vec<String>>,
 }
 
+/// The stream's row as the latest snapshot sees it (with this transaction's
+/// own changes).
 pub fn stream_row(name: &str) -> Option<StreamRow> {
+    // SAFETY: called inside a running transaction, never in parallel mode
+    // (its callers change the catalog); the command counter moves first so
+    // that the transaction's own changes so far are seen.
+    let snapshot = unsafe {
+        pg_sys::CommandCounterIncrement();
+        pg_sys::GetLatestSnapshot()
+    };
+    stream_row_as_of(name, snapshot)
+}
+
+/// The stream's row as `snapshot` sees it. Executed read-only with exactly
+/// that snapshot (`SPI_execute_snapshot`): an ordinary SPI query in a
+/// transaction that has an xid takes a new snapshot under READ COMMITTED,
+/// and a cursor's FETCH would then read another catalog than its snapshot's.
+pub fn stream_row_as_of(name: &str, snapshot: pg_sys::Snapshot) -> Option<StreamRow> {
+    const QUERY: &CStr =
+        c"SELECT s.stream_key, s.seq::pg_catalog.oid, s.owns_sequence, s.backwards, s.writers \
+        FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1";
     with_safe_path(|| {
-        spi(Spi::connect(|client| -> SpiResult<Option<StreamRow>> {
-            let table = client.select(
-                "SELECT s.stream_key, s.seq::pg_catalog.oid, s.owns_sequence, s.backwards, s.writers \
-                 FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1",
-                Some(1),
-                &[name.into()],
-            )?;
-            if table.is_empty() {
+        spi(Spi::connect(|_client| -> SpiResult<Option<StreamRow>> {
+            let Some(arg) = name.into_datum() else {
                 return Ok(None);
+            };
+            // SAFETY: SPI is connected for the closure; the plan is freed
+            // before returning (or with the SPI context on ERROR); the
+            // result's tuple and descriptor are valid until SPI finishes,
+            // and every value is copied out (owned Rust values) before.
+            unsafe {
+                let mut types = [pg_sys::TEXTOID];
+                let plan = pg_sys::SPI_prepare(QUERY.as_ptr(), 1, types.as_mut_ptr());
+                if plan.is_null() {
+                    return Err(pgrx::spi::SpiError::SpiError(
+                        pgrx::spi::SpiErrorCodes::Unconnected,
+                    ));
+                }
+                let mut values = [arg];
+                let nulls = [b' ' as std::ffi::c_char];
+                let status = pg_sys::SPI_execute_snapshot(
+                    plan,
+                    values.as_mut_ptr(),
+                    nulls.as_ptr(),
+                    snapshot,
+                    std::ptr::null_mut(),
+                    true,
+                    false,
+                    1,
+                );
+                let table = pg_sys::SPI_tuptable;
+                let row = if status != pg_sys::SPI_OK_SELECT as i32
+                    || pg_sys::SPI_processed == 0
+                    || table.is_null()
+                {
+                    None
+                } else {
+                    let tuple = *(*table).vals;
+                    let desc = (*table).tupdesc;
+                    let column = |n: i32| {
+                        let mut null = false;
+                        let datum = pg_sys::SPI_getbinval(tuple, desc, n, &mut null);
+                        (datum, null)
+                    };
+                    let (d, n) = column(1);
+                    let key = i32::from_datum(d, n).unwrap_or_default();
+                    let (d, n) = column(2);
+                    let seq = pg_sys::Oid::from_datum(d, n).unwrap_or(pg_sys::InvalidOid);
+                    let (d, n) = column(3);
+                    let owns_sequence = bool::from_datum(d, n).unwrap_or_default();
+                    let (d, n) = column(4);
+                    let backwards = bool::from_datum(d, n).unwrap_or_default();
+                    let (d, n) = column(5);
+                    let writers = Vec::<Option<String>>::from_datum(d, n)
+                        .map(|w| w.into_iter().flatten().collect());
+                    Some(StreamRow {
+                        key,
+                        seq,
+                        owns_sequence,
+                        backwards,
+                        writers,
+                    })
+                };
+                pg_sys::SPI_freeplan(plan);
+                Ok(row)
             }
-            let row = table.first();
-            let writers: Option<Vec<Option<String>>> = row.get(5)?;
-            Ok(Some(StreamRow {
-                key: row.get(1)?.unwrap_or_default(),
-                seq: row.get(2)?.unwrap_or(pg_sys::InvalidOid),
-                owns_sequence: row.get(3)?.unwrap_or_default(),
-                backwards: row.get(4)?.unwrap_or_default(),
-                writers: writers.map(|w| w.into_iter().flatten().collect()),
-            }))
         }))
     })
 }
@@ -472,21 +537,25 @@ pub fn drop_owned_sequence(seq: pg_sys::Oid) {
 }
 
 /// (INCREMENT, CACHE) of a sequence; None when `oid` is not a sequence.
-pub fn sequence_settings(oid: pg_sys::Oid) -> Option<(i64, i64)> {
+pub fn sequence_settings(oid: pg_sys::Oid) -> Option<crate::sequence::Settings> {
     with_safe_path(|| {
         spi(Spi::connect(|client| {
             let table = client.select(
-                "SELECT q.seqincrement, q.seqcache FROM pg_catalog.pg_sequence q \
+                "SELECT q.seqincrement, q.seqcache, q.seqmin, q.seqcycle FROM pg_catalog.pg_sequence q \
                  WHERE q.seqrelid OPERATOR(pg_catalog.=) $1",
                 Some(1),
                 &[oid.into()],
             )?;
             if table.is_empty() {
-                Ok(None)
-            } else {
-                let (inc, cache) = table.first().get_two::<i64, i64>()?;
-                Ok(Some((inc.unwrap_or(0), cache.unwrap_or(0))))
+                return Ok(None);
             }
+            let row = table.first();
+            Ok(Some(crate::sequence::Settings {
+                increment: row.get::<i64>(1)?.unwrap_or(0),
+                cache: row.get::<i64>(2)?.unwrap_or(0),
+                min: row.get::<i64>(3)?.unwrap_or(0),
+                cycle: row.get::<bool>(4)?.unwrap_or(false),
+            }))
         }))
     })
 }
@@ -532,16 +601,73 @@ pub fn stream_tables(stream: &str) -> Vec<StreamTable> {
         &[stream.into()],
         |r| {
             let oid = r.get::<pg_sys::Oid>(1)?.unwrap_or(pg_sys::InvalidOid);
-            Ok(Some(StreamTable {
+            let id_column = r.get::<String>(2)?.unwrap_or_default();
+            let instance_column = r.get::<String>(3)?;
+            let columns = r.get::<Vec<String>>(4)?.unwrap_or_default();
+            // A table dropped (its regclass has no dependency) or that lost
+            // a registered column: skipped, reported by check_stream.
+            let usable = !columns.is_empty()
+                && columns.contains(&id_column)
+                && instance_column.as_ref().is_none_or(|c| columns.contains(c));
+            Ok(usable.then(|| StreamTable {
                 name: relation_name(oid),
-                id_column: r.get::<String>(2)?.unwrap_or_default(),
-                instance_column: r.get::<String>(3)?,
-                columns: r.get::<Vec<String>>(4)?.unwrap_or_default(),
+                id_column,
+                instance_column,
+                columns,
             }))
         },
     );
     tables.sort_by(|a, b| a.name.cmp(&b.name));
     tables
+}
+
+/// Registered tables of a stream that `stream_tables` skips: dropped, or
+/// without a registered column. (OID, what is wrong.)
+pub fn unusable_stream_tables(stream: &str) -> Vec<(pg_sys::Oid, String)> {
+    select_all(
+        "SELECT t.tbl::pg_catalog.oid, \
+                CASE WHEN c.oid IS NULL THEN 'was dropped' \
+                     ELSE pg_catalog.format('%s has no column %s', c.oid::pg_catalog.regclass, \
+                          CASE WHEN NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a \
+                                                WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
+                                                  AND a.attname OPERATOR(pg_catalog.=) t.id_column \
+                                                  AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped) \
+                               THEN t.id_column ELSE t.instance_column END) END \
+         FROM streampos.stream_tables t \
+         LEFT JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) t.tbl::pg_catalog.oid \
+         WHERE t.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND (c.oid IS NULL \
+                OR NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a \
+                               WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
+                                 AND a.attname OPERATOR(pg_catalog.=) t.id_column \
+                                 AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped) \
+                OR (t.instance_column IS NOT NULL AND NOT EXISTS ( \
+                               SELECT FROM pg_catalog.pg_attribute a \
+                               WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
+                                 AND a.attname OPERATOR(pg_catalog.=) t.instance_column \
+                                 AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped))) \
+         ORDER BY 1",
+        &[stream.into()],
+        |r| {
+            Ok(r.get::<pg_sys::Oid>(1)?
+                .zip(r.get::<String>(2)?))
+        },
+    )
+}
+
+/// `check_stream(…, repair => true)`: forget a registered table that was
+/// dropped (only one whose OID no longer names a relation).
+pub fn forget_dropped_stream_table(stream: &str, tbl: pg_sys::Oid) {
+    as_owner(|| {
+        run(
+            "DELETE FROM streampos.stream_tables t \
+             WHERE t.stream_name OPERATOR(pg_catalog.=) $1 \
+               AND t.tbl::pg_catalog.oid OPERATOR(pg_catalog.=) $2 \
+               AND NOT EXISTS (SELECT FROM pg_catalog.pg_class c \
+                               WHERE c.oid OPERATOR(pg_catalog.=) $2)",
+            &[stream.into(), tbl.into()],
+        )
+    });
 }
 
 /// The highest ID (internal numbering) in one table of a stream, read with
@@ -554,6 +680,20 @@ pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
         format!("pg_catalog.max(t.{id})::pg_catalog.int8")
     };
     select_one(&format!("SELECT {agg} FROM {} t", table.name), &[])
+}
+
+/// The highest ID at most `ceiling` in one table of a forward stream, read
+/// with the caller's privileges and snapshot.
+pub fn table_max_id_at_most(table: &StreamTable, ceiling: i64) -> Option<i64> {
+    let id = quote_ident(&table.id_column);
+    select_one(
+        &format!(
+            "SELECT pg_catalog.max(t.{id})::pg_catalog.int8 FROM {} t \
+             WHERE t.{id} OPERATOR(pg_catalog.<=) $1",
+            table.name
+        ),
+        &[ceiling.into()],
+    )
 }
 
 /// The FROM and WHERE of `updates`' reads of one table: rows with
@@ -636,14 +776,23 @@ pub fn updates_answer(
     args.push(position.into());
     for (n, table) in tables.iter().enumerate() {
         let id = quote_ident(&table.id_column);
+        // jsonb_build_array takes at most 100 arguments (a table may have
+        // up to 1600 columns): concatenate arrays of 100.
         let row = table
             .columns
-            .iter()
-            .map(|c| format!("t.{}", quote_ident(c)))
+            .chunks(100)
+            .map(|chunk| {
+                let columns = chunk
+                    .iter()
+                    .map(|c| format!("t.{}", quote_ident(c)))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!("pg_catalog.jsonb_build_array({columns})")
+            })
             .collect::<Vec<_>>()
-            .join(", ");
+            .join(" OPERATOR(pg_catalog.||) ");
         parts.push(format!(
-            "SELECT {n} AS n, t.{id}::pg_catalog.int8 AS id, pg_catalog.jsonb_build_array({row}) AS j {}",
+            "SELECT {n} AS n, t.{id}::pg_catalog.int8 AS id, {row} AS j {}",
             rows_in_range(table)
         ));
         let (name_arg, columns_arg) = (args.len() + 1, args.len() + 2);
@@ -697,9 +846,16 @@ pub fn extension_present() -> bool {
     .is_some()
 }
 
-/// Store one stream's positions (the same a reader in this snapshot gets)
-/// and notify listeners. Run by the position worker.
+/// Store one stream's positions (the same a reader in this snapshot gets).
+/// Run by the position worker. The stream's row is share-locked first: a
+/// `set_writers` in progress (which deletes removed writers' positions) is
+/// waited for, and the positions, read by the next statement's snapshot,
+/// follow its writer list (never bringing a removed writer back).
 pub fn store_positions(stream: &str) {
+    run(
+        "SELECT FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1 FOR SHARE",
+        &[stream.into()],
+    );
     run(
         "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
          SELECT $1, w.instance_name, w.stream_id FROM streampos.writer_positions($1) w \
@@ -709,13 +865,233 @@ pub fn store_positions(stream: &str) {
                pg_catalog.abs(streampos.stream_positions.stream_id)",
         &[stream.into()],
     );
-    // Followers that prefer LISTEN to long-polling: one notification per
-    // advance, from here, never from the writers' commits (NOTIFY takes a
-    // lock that would serialise them).
+}
+
+/// Longest token a notification carries: NOTIFY payloads must stay under
+/// 8000 bytes, and a stream with hundreds of writers ahead of its frontier
+/// has a longer token. Beyond it the payload carries the frontier alone
+/// (a token never ahead of the truth).
+const NOTIFY_TOKEN_BYTES: i32 = 7000;
+
+/// Followers that prefer LISTEN to long-polling: one notification per
+/// advance, from the position worker, never from the writers' commits
+/// (NOTIFY takes a lock that would serialise them).
+pub fn notify_positions(stream: &str) {
     run(
         "SELECT pg_catalog.pg_notify('streampos', \
                 $1 OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) \
-                streampos.current_token($1)::pg_catalog.text)",
-        &[stream.into()],
+                CASE WHEN pg_catalog.octet_length(x.t) OPERATOR(pg_catalog.<=) $2 THEN x.t \
+                     ELSE 'm' OPERATOR(pg_catalog.||) streampos.frontier($1)::pg_catalog.text END) \
+         FROM (SELECT streampos.current_token($1)::pg_catalog.text AS t) x",
+        &[stream.into(), NOTIFY_TOKEN_BYTES.into()],
     );
+}
+
+// ---- Synapse adoption
+//
+// What `adopt_synapse` reads in Synapse's schema and writes into the
+// catalog. Synapse's relations are looked up by (schema OID, name) in the
+// catalog, with the names as parameters, then used by OID; SQL text names
+// them only through `relation_name` at the moment of use. They are read
+// with the caller's privileges; the catalog is written as the owner.
+
+/// `schema.name`, each part quoted when it needs it (for messages about
+/// objects that do not exist, so have no OID).
+pub fn qualified_name(schema: &str, name: &str) -> String {
+    format!("{}.{}", quote_ident(schema), quote_ident(name))
+}
+
+/// The OID of schema `name`.
+pub fn namespace_oid(name: &str) -> Option<pg_sys::Oid> {
+    select_one(
+        "SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname OPERATOR(pg_catalog.=) $1",
+        &[name.into()],
+    )
+}
+
+/// The relation called `name` in schema `nsp`: its OID and relkind.
+pub fn relation_in(nsp: pg_sys::Oid, name: &str) -> Option<(pg_sys::Oid, String)> {
+    select_all(
+        "SELECT c.oid, c.relkind::pg_catalog.text FROM pg_catalog.pg_class c \
+         WHERE c.relnamespace OPERATOR(pg_catalog.=) $1 AND c.relname OPERATOR(pg_catalog.=) $2",
+        &[nsp.into(), name.into()],
+        |r| Ok(r.get::<pg_sys::Oid>(1)?.zip(r.get::<String>(2)?)),
+    )
+    .into_iter()
+    .next()
+}
+
+/// The type of the live column `column` of `tbl`.
+pub fn column_type(tbl: pg_sys::Oid, column: &str) -> Option<pg_sys::Oid> {
+    select_one(
+        "SELECT a.atttypid FROM pg_catalog.pg_attribute a \
+         WHERE a.attrelid OPERATOR(pg_catalog.=) $1 AND a.attname OPERATOR(pg_catalog.=) $2 \
+           AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped",
+        &[tbl.into(), column.into()],
+    )
+}
+
+/// Serialise adoption with every other catalog change until the end of the
+/// transaction: concurrent adoptions, new streams and new instance names
+/// wait (readers, allocations and the position worker do not).
+pub fn lock_catalog_for_adoption() {
+    as_owner(|| {
+        run(
+            "LOCK TABLE streampos.instances, streampos.streams IN SHARE ROW EXCLUSIVE MODE",
+            &[],
+        )
+    });
+}
+
+/// The highest version in Synapse's `schema_version` table `tbl`, read with
+/// the caller's privileges.
+pub fn synapse_schema_version(tbl: pg_sys::Oid) -> Option<i64> {
+    select_one(
+        &format!(
+            "SELECT pg_catalog.max(t.version)::pg_catalog.int8 FROM {} t",
+            relation_name(tbl)
+        ),
+        &[],
+    )
+}
+
+/// Synapse's `instance_map` rows (instance_id, instance_name), by id, read
+/// with the caller's privileges.
+pub fn synapse_instances(tbl: pg_sys::Oid) -> Vec<(i64, String)> {
+    select_all(
+        &format!(
+            "SELECT t.instance_id::pg_catalog.int8, t.instance_name::pg_catalog.text FROM {} t \
+             WHERE t.instance_id IS NOT NULL AND t.instance_name IS NOT NULL ORDER BY 1",
+            relation_name(tbl)
+        ),
+        &[],
+        |r| Ok(r.get::<i64>(1)?.zip(r.get::<String>(2)?)),
+    )
+}
+
+/// The sequence that feeds column `column` of `tbl`: the one it owns
+/// (serial, `OWNED BY`, identity) or the one its default reads.
+pub fn column_sequence(tbl: pg_sys::Oid, column: &str) -> Option<pg_sys::Oid> {
+    select_one(
+        "SELECT d.objid FROM pg_catalog.pg_depend d \
+         JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) d.refobjid \
+          AND a.attnum OPERATOR(pg_catalog.=) d.refobjsubid \
+         JOIN pg_catalog.pg_class s ON s.oid OPERATOR(pg_catalog.=) d.objid \
+         WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
+           AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
+           AND d.refobjid OPERATOR(pg_catalog.=) $1 AND a.attname OPERATOR(pg_catalog.=) $2 \
+           AND d.deptype OPERATOR(pg_catalog.=) ANY ('{a,i}'::pg_catalog.\"char\"[]) \
+           AND s.relkind OPERATOR(pg_catalog.=) 'S' \
+         UNION ALL \
+         SELECT d.refobjid FROM pg_catalog.pg_attrdef ad \
+         JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) ad.adrelid \
+          AND a.attnum OPERATOR(pg_catalog.=) ad.adnum \
+         JOIN pg_catalog.pg_depend d \
+           ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_attrdef'::pg_catalog.regclass \
+          AND d.objid OPERATOR(pg_catalog.=) ad.oid \
+         JOIN pg_catalog.pg_class s ON s.oid OPERATOR(pg_catalog.=) d.refobjid \
+         WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass \
+           AND ad.adrelid OPERATOR(pg_catalog.=) $1 AND a.attname OPERATOR(pg_catalog.=) $2 \
+           AND s.relkind OPERATOR(pg_catalog.=) 'S' \
+         LIMIT 1",
+        &[tbl.into(), column.into()],
+    )
+}
+
+/// Synapse's `stream_positions` rows of one stream (instance_name,
+/// stream_id, signed), read with the caller's privileges.
+pub fn synapse_positions(tbl: pg_sys::Oid, stream: &str) -> Vec<(String, i64)> {
+    select_all(
+        &format!(
+            "SELECT t.instance_name::pg_catalog.text, t.stream_id::pg_catalog.int8 FROM {} t \
+             WHERE t.stream_name::pg_catalog.text OPERATOR(pg_catalog.=) $1 \
+               AND t.instance_name IS NOT NULL AND t.stream_id IS NOT NULL \
+             ORDER BY 1",
+            relation_name(tbl)
+        ),
+        &[stream.into()],
+        |r| Ok(r.get::<String>(1)?.zip(r.get::<i64>(2)?)),
+    )
+}
+
+/// A stream's registered tables: (table, id column, instance column).
+pub fn registered_tables(stream: &str) -> Vec<(pg_sys::Oid, String, Option<String>)> {
+    select_all(
+        "SELECT t.tbl::pg_catalog.oid, t.id_column::pg_catalog.text, t.instance_column::pg_catalog.text \
+         FROM streampos.stream_tables t WHERE t.stream_name OPERATOR(pg_catalog.=) $1",
+        &[stream.into()],
+        |r| {
+            let instance = r.get::<String>(3)?;
+            Ok(r
+                .get::<pg_sys::Oid>(1)?
+                .zip(r.get::<String>(2)?)
+                .map(|(tbl, id)| (tbl, id, instance)))
+        },
+    )
+}
+
+/// Insert instances with the ids they have elsewhere (Synapse's), then move
+/// the id sequence past every id in the table and past `floor` (ids the
+/// other system handed out, or burnt), so that a name added later never
+/// gets one of them. Run under `lock_catalog_for_adoption`.
+pub fn import_instances(instances: &[(i32, String)], floor: i64) {
+    let ids: Vec<i32> = instances.iter().map(|(id, _)| *id).collect();
+    let names: Vec<String> = instances.iter().map(|(_, name)| name.clone()).collect();
+    as_owner(|| {
+        if !instances.is_empty() {
+            run(
+                "INSERT INTO streampos.instances (instance_id, instance_name) \
+                 SELECT u.id, u.name \
+                 FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int4[]), \
+                                 pg_catalog.unnest($2::pg_catalog.text[])) AS u(id, name)",
+                &[ids.into(), names.into()],
+            );
+        }
+        // The last value handed out is last_value, or one less before the
+        // first nextval (is_called false).
+        update_one::<i64>(
+            "SELECT pg_catalog.setval('streampos.instances_instance_id_seq'::pg_catalog.regclass, m.target, true) \
+             FROM (SELECT GREATEST($1::pg_catalog.int8, \
+                                   (SELECT pg_catalog.max(i.instance_id) FROM streampos.instances i)::pg_catalog.int8) \
+                          AS target) m, \
+                  streampos.instances_instance_id_seq q \
+             WHERE m.target OPERATOR(pg_catalog.>) \
+                   CASE WHEN q.is_called THEN q.last_value ELSE q.last_value OPERATOR(pg_catalog.-) 1 END",
+            &[floor.into()],
+        );
+    });
+}
+
+/// Store positions for a stream, signed as the stream numbers them, never
+/// lowering a position already stored (compared by magnitude, as backward
+/// streams store negative positions). Returns the rows inserted or raised.
+pub fn import_positions(stream: &str, positions: &[(String, i64)]) -> Vec<(String, i64)> {
+    let names: Vec<String> = positions.iter().map(|(name, _)| name.clone()).collect();
+    let ids: Vec<i64> = positions.iter().map(|(_, id)| *id).collect();
+    let args: [DatumWithOid; 3] = [stream.into(), names.into(), ids.into()];
+    as_owner(|| {
+        with_safe_path(|| {
+            spi(Spi::connect_mut(|client| {
+                let mut out = Vec::new();
+                let changed = client.update(
+                    "INSERT INTO streampos.stream_positions AS p (stream_name, instance_name, stream_id) \
+                     SELECT $1, u.name, u.id \
+                     FROM ROWS FROM (pg_catalog.unnest($2::pg_catalog.text[]), \
+                                     pg_catalog.unnest($3::pg_catalog.int8[])) AS u(name, id) \
+                     ON CONFLICT (stream_name, instance_name) DO UPDATE SET stream_id = EXCLUDED.stream_id \
+                     WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) pg_catalog.abs(p.stream_id) \
+                     RETURNING p.instance_name, p.stream_id",
+                    None,
+                    &args,
+                )?;
+                for row in changed {
+                    if let Some(v) = row.get::<String>(1)?.zip(row.get::<i64>(2)?) {
+                        out.push(v);
+                    }
+                }
+                out.sort();
+                Ok(out)
+            }))
+        })
+    })
 }

@@ -18,7 +18,13 @@ use crate::error::{Error, OrRaise};
 use crate::ffi::{hash_bytes, hash_bytes_extended};
 
 /// Read a token out of a (possibly toasted or short-header) varlena datum.
+///
+/// # Safety
+/// `datum` must be a non-null varlena datum of one of the token types.
 unsafe fn token_from_datum(datum: pg_sys::Datum, kind: TokenKind) -> Token {
+    // SAFETY: the caller passes a varlena datum; detoasting gives a pointer
+    // to its full value, valid for `varsize_any_exhdr` bytes after the
+    // header, in the current memory context.
     unsafe {
         let raw = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
         let len = pgrx::varlena::varsize_any_exhdr(raw);
@@ -33,6 +39,8 @@ fn token_into_datum(token: &Token) -> pg_sys::Datum {
     let len = token.encoded_len();
     let mut bytes = Vec::with_capacity(len);
     token.encode(&mut bytes);
+    // SAFETY: palloc returns `total` writable bytes (or raises an ERROR); the
+    // header is set for that size and the payload copied after it.
     unsafe {
         let total = pg_sys::VARHDRSZ + bytes.len();
         let ptr = pg_sys::palloc(total) as *mut pg_sys::varlena;
@@ -58,6 +66,8 @@ macro_rules! token_sql_type {
                 if is_null {
                     None
                 } else {
+                    // SAFETY: a non-null datum of this type, as the caller
+                    // of from_polymorphic_datum guarantees.
                     Some($rust(unsafe { token_from_datum(datum, $kind) }))
                 }
             }
@@ -72,23 +82,33 @@ macro_rules! token_sql_type {
             }
         }
 
+        // SAFETY: unboxes through FromDatum above, which reads the argument
+        // as this type's varlena, as the function's SQL signature says.
         unsafe impl<'fcx> ArgAbi<'fcx> for $rust {
             unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
                 let index = arg.index();
-                unsafe { arg.unbox_arg_using_from_datum() }
-                    .unwrap_or_else(|| panic!("argument {index} must not be null"))
+                // SAFETY: forwarded from the caller (an argument of this type).
+                unsafe { arg.unbox_arg_using_from_datum() }.unwrap_or_else(|| {
+                    // A STRICT function is never called with NULL.
+                    Error::Internal(format!("argument {index} of a strict function is NULL"))
+                        .report()
+                })
             }
             unsafe fn unbox_nullable_arg(arg: Arg<'_, 'fcx>) -> Nullable<Self> {
+                // SAFETY: forwarded from the caller (an argument of this type).
                 unsafe { arg.unbox_arg_using_from_datum::<Self>() }.into()
             }
         }
 
+        // SAFETY: returns a palloc'd varlena of this type.
         unsafe impl BoxRet for $rust {
             unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> FcDatum<'fcx> {
+                // SAFETY: a valid datum of the function's return type.
                 unsafe { fcinfo.return_raw_datum(token_into_datum(&self.0)) }
             }
         }
 
+        // SAFETY: maps to the SQL type that the datums above are.
         unsafe impl SqlTranslatable for $rust {
             const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!($rust);
             // Created by sql/bootstrap.sql (shell) and sql/finalize.sql.
@@ -109,27 +129,22 @@ token_sql_type!(
 );
 
 fn parse(kind: TokenKind, input: &CStr) -> Token {
-    match input.to_str() {
-        Ok(text) => Token::parse(kind, text).or_raise(),
-        // Our syntax is ASCII, so the server encoding cannot produce a valid token
-        // that is not UTF-8; report the bytes lossily.
-        Err(_) => Error::Token(streampos_core::token::TokenError::Syntax {
-            type_name: kind.type_name(),
-            text: String::from_utf8_lossy(input.to_bytes()).into_owned(),
-            detail: "The text is not valid UTF-8.".into(),
-        })
-        .report(),
-    }
+    // Bytes, not text: in a SQL_ASCII or LATIN1 database the input need not
+    // be UTF-8 (then it is no token, and the error quotes it clipped).
+    Token::parse_bytes(kind, input.to_bytes()).or_raise()
 }
 
 fn print(kind: TokenKind, token: &Token) -> CString {
-    let mut text = String::with_capacity(24);
+    // Exactly the text and its NUL: no copy when CString::new appends it.
+    let mut text = String::with_capacity(token.text_len(kind) + 1);
     token.write_text(kind, &mut text);
     // Printed tokens are ASCII digits and punctuation: no interior NUL.
     CString::new(text).unwrap_or_default()
 }
 
 fn receive(kind: TokenKind, mut internal: Internal) -> Token {
+    // SAFETY: a type's receive function gets a StringInfo as its internal
+    // argument.
     let buf = match unsafe { internal.get_mut::<pg_sys::StringInfoData>() } {
         Some(buf) => buf,
         None => Error::invalid("no binary data given").report(),
@@ -137,6 +152,8 @@ fn receive(kind: TokenKind, mut internal: Internal) -> Token {
     let start = buf.cursor.max(0) as usize;
     let end = buf.len.max(0) as usize;
     let bytes: &[u8] = if end > start {
+        // SAFETY: a StringInfo holds `len` bytes at `data`; the unread part
+        // starts at `cursor`.
         unsafe { std::slice::from_raw_parts((buf.data as *const u8).add(start), end - start) }
     } else {
         &[]
@@ -155,12 +172,14 @@ fn send(token: &Token) -> Vec<u8> {
 fn hash32(token: &Token) -> i32 {
     let mut bytes = Vec::with_capacity(token.encoded_len());
     token.encode(&mut bytes);
+    // SAFETY: hashes `bytes`, which it only reads; raises no error.
     unsafe { hash_bytes(bytes.as_ptr(), bytes.len() as i32) as i32 }
 }
 
 fn hash64(token: &Token, seed: i64) -> i64 {
     let mut bytes = Vec::with_capacity(token.encoded_len());
     token.encode(&mut bytes);
+    // SAFETY: as in `hash32`.
     unsafe { hash_bytes_extended(bytes.as_ptr(), bytes.len() as i32, seed as u64) as i64 }
 }
 
@@ -266,7 +285,7 @@ macro_rules! token_functions {
 
             #[pg_extern(immutable, strict, parallel_safe, name = "advance")]
             fn [<$module _advance>](a: $rust, b: $rust) -> $rust {
-                $rust(a.0.advance(&b.0))
+                $rust(a.0.advance(&b.0).or_raise())
             }
 
             #[pg_extern(immutable, strict, parallel_safe, name = "bound")]

@@ -11,7 +11,9 @@ use pgrx::pg_sys::panic::CaughtError;
 use pgrx::prelude::*;
 use pgrx::IntoDatum;
 
-use crate::{catalog, guc, registry, sql};
+use streampos_core::token::TokenKind;
+
+use crate::{catalog, engine, guc, registry, sql};
 
 /// How often the worker forgets finished entries every snapshot sees.
 const PRUNE_INTERVAL_MS: u64 = 20;
@@ -78,7 +80,7 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
     // is free for the next worker of any database.
     // SAFETY: registers a callback for this process's exit.
     unsafe { pg_sys::before_shmem_exit(Some(on_worker_exit), arg) };
-    let mut written: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
+    let mut written: std::collections::HashMap<i32, String> = std::collections::HashMap::new();
     let mut last_store: Option<std::time::Instant> = None;
     loop {
         // Prune often: the finished ring is what readers scan.
@@ -158,33 +160,46 @@ fn in_subtransaction(
     }
 }
 
-/// One pass: store the positions of streams that moved. Returns false when the extension is gone from the database.
-fn store_positions(written: &mut std::collections::HashMap<i32, u64>) -> bool {
+/// One pass: store the positions of streams whose positions differ from
+/// what the worker last stored (an allocation ended, or a commit became
+/// durable since), then notify listeners. Returns false when the extension
+/// is gone from the database.
+fn store_positions(written: &mut std::collections::HashMap<i32, String>) -> bool {
     if !sql::extension_present() {
         return false;
     }
     // SAFETY: MyDatabaseId is set once the worker is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
-    let moved: Vec<(i32, u64)> = registry::streams_of(db)
-        .into_iter()
-        .filter(|(key, _, generation)| written.get(key) != Some(generation))
-        .map(|(key, _, generation)| (key, generation))
-        .collect();
-    if moved.is_empty() {
+    let loaded = registry::streams_of(db);
+    if loaded.is_empty() {
         return true;
     }
     let streams = catalog::streams_by_key();
-    for (key, generation) in moved {
-        if let Some(meta) = streams.get(&key) {
-            // A stream dropped in the middle of the pass must not take the
-            // worker down with it: each stream in a subtransaction.
-            let name = meta.name.clone();
-            let what = format!("storing the positions of stream \"{name}\"");
-            if !in_subtransaction(&what, move || sql::store_positions(&name)) {
-                continue;
-            }
+    for (key, _, _) in loaded {
+        let Some(meta) = streams.get(&key) else {
+            continue;
+        };
+        let answer = engine::answer(meta);
+        let now = answer
+            .positions
+            .token(&engine::writer_ids(meta, &answer))
+            .to_text(TokenKind::MultiWriter);
+        if written.get(&key) == Some(&now) {
+            continue;
         }
-        written.insert(key, generation);
+        // A stream dropped in the middle of the pass must not take the
+        // worker down with it: each stream in a subtransaction; the
+        // notification in one of its own, so that it never takes the
+        // stored positions with it.
+        let name = meta.name.clone();
+        let what = format!("storing the positions of stream \"{name}\"");
+        if !in_subtransaction(&what, move || sql::store_positions(&name)) {
+            continue;
+        }
+        let name = meta.name.clone();
+        let what = format!("notifying the positions of stream \"{name}\"");
+        in_subtransaction(&what, move || sql::notify_positions(&name));
+        written.insert(key, now);
     }
     true
 }

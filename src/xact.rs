@@ -8,7 +8,10 @@ use crate::{catalog, registry};
 
 pub fn register_callbacks() {
     // SAFETY: registered once per process from _PG_init.
-    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+    unsafe {
+        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
+    }
 }
 
 /// Commit runs after the commit is visible in the ProcArray, so clearing the
@@ -25,8 +28,33 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
             registry::end_transaction(false);
             catalog::end_transaction(false);
         }
-        XactEvent::XACT_EVENT_PRE_COMMIT => registry::flush_before_commit(),
+        XactEvent::XACT_EVENT_PRE_COMMIT => {
+            registry::flush_before_commit();
+            catalog::pre_commit();
+        }
         XactEvent::XACT_EVENT_PRE_PREPARE if registry::holding() => Error::Prepare.report(),
+        XactEvent::XACT_EVENT_PRE_PREPARE if catalog::changed_in_this_transaction() => {
+            Error::PrepareCatalog.report()
+        }
+        _ => {}
+    }
+}
+
+/// A rolled-back savepoint takes back what it did to the catalog.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    subxact: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    match event {
+        pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
+            catalog::end_subtransaction(false, subxact, parent)
+        }
+        pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
+            catalog::end_subtransaction(true, subxact, parent)
+        }
         _ => {}
     }
 }

@@ -5,8 +5,10 @@
 //!   causal partial order, the total order that extends it, and the lattice
 //!   operations (`advance`, `bound`).
 //! - [`frontier`]: positions from a set of in-flight allocations.
+//! - [`synapse_map`]: Synapse's streams (`sql/synapse_streams.tsv`), parsed.
 
 #![forbid(unsafe_code)]
 
 pub mod frontier;
+pub mod synapse_map;
 pub mod token;

@@ -235,3 +235,38 @@ fn a_wire_message_over_the_instance_cap_is_54000() {
         "22P03"
     );
 }
+
+#[test]
+fn a_stored_value_over_the_instance_cap_is_54000() {
+    use streampos_core::token::{Token, TokenKind, MAX_INSTANCES};
+    let stored = |n: usize| -> Vec<u8> {
+        let mut m = vec![0u8];
+        m.extend_from_slice(&0i64.to_le_bytes());
+        for id in 0..n {
+            m.extend_from_slice(&(id as i32).to_le_bytes());
+            m.extend_from_slice(&1i64.to_le_bytes());
+        }
+        m
+    };
+    assert!(Token::decode(TokenKind::MultiWriter, &stored(MAX_INSTANCES)).is_ok());
+    let e = Token::decode(TokenKind::MultiWriter, &stored(MAX_INSTANCES + 1)).unwrap_err();
+    assert_eq!(e.sqlstate(), "54000", "{e:?}");
+    assert!(e.detail().contains("10001"), "{e:?}");
+}
+
+#[test]
+fn the_constructor_counts_past_the_cap_without_keeping_the_rest() {
+    use streampos_core::token::{Token, MAX_INSTANCES};
+    // An iterator that does not say how long it is.
+    let entries = |n: i32| {
+        let mut id = 0;
+        std::iter::from_fn(move || {
+            id += 1;
+            (id <= n).then_some((id, 1i64))
+        })
+    };
+    assert!(Token::vector(0, entries(MAX_INSTANCES as i32)).is_ok());
+    let e = Token::vector(0, entries(MAX_INSTANCES as i32 + 5)).unwrap_err();
+    assert_eq!(e.sqlstate(), "54000", "{e:?}");
+    assert!(e.detail().contains("10005"), "{e:?}");
+}

@@ -5,24 +5,25 @@ mod common;
 
 use common::{arb_room, arb_stream, ids, live_view, v};
 use proptest::prelude::*;
-use streampos_core::token::{Token, TokenKind};
+use streampos_core::token::{Token, TokenKind, MAX_INSTANCES};
 use TokenKind::Room;
 
 #[test]
 fn advance_examples() {
     let h = Token::historical;
-    assert_eq!(h(1, 9).advance(&h(2, 3)), h(2, 9));
-    assert_eq!(h(1, 9).advance(&Token::live(3)), Token::live(9));
-    assert_eq!(h(1, 7).advance(&v(5, &[(1, 6), (2, 9)])), v(7, &[(2, 9)]));
+    let join = |a: Token, b: Token| a.advance(&b).unwrap();
+    assert_eq!(join(h(1, 9), h(2, 3)), h(2, 9));
+    assert_eq!(join(h(1, 9), Token::live(3)), Token::live(9));
+    assert_eq!(join(h(1, 7), v(5, &[(1, 6), (2, 9)])), v(7, &[(2, 9)]));
     assert_eq!(
-        v(5, &[(1, 8), (2, 6)]).advance(&v(6, &[(2, 7), (3, 9)])),
+        join(v(5, &[(1, 8), (2, 6)]), v(6, &[(2, 7), (3, 9)])),
         v(6, &[(1, 8), (2, 7), (3, 9)])
     );
-    assert_eq!(v(5, &[(1, 8)]).advance(&v(8, &[(2, 9)])), v(8, &[(2, 9)]));
+    assert_eq!(join(v(5, &[(1, 8)]), v(8, &[(2, 9)])), v(8, &[(2, 9)]));
     // Tokens before-or-equal each other (one live view s5) join to one of
     // that view: the historical one with the larger topological part.
-    assert_eq!(h(1, 5).advance(&h(2, 5)), h(2, 5));
-    assert_eq!(h(1, 5).advance(&Token::live(5)), Token::live(5));
+    assert_eq!(join(h(1, 5), h(2, 5)), h(2, 5));
+    assert_eq!(join(h(1, 5), Token::live(5)), Token::live(5));
 }
 
 #[test]
@@ -36,6 +37,68 @@ fn bound_examples() {
     );
     assert_eq!(Token::historical(3, 9).bound(4), Token::historical(3, 4));
     assert_eq!(Token::historical(3, 9).bound(10), Token::historical(3, 9));
+}
+
+/// Minimum 0 and `count` instances from `first` on, each at position 5.
+fn many(first: usize, count: usize) -> Token {
+    Token::vector(0, (first..first + count).map(|i| (i as i32, 5))).unwrap()
+}
+
+#[test]
+fn advance_refuses_a_join_longer_than_the_cap() {
+    let half = MAX_INSTANCES / 2;
+    let full = many(1, half).advance(&many(1 + half, half)).unwrap();
+    assert_eq!(full, many(1, MAX_INSTANCES));
+    let one_more = many(1 + MAX_INSTANCES, 1);
+    for e in [
+        full.advance(&one_more).unwrap_err(),
+        one_more.advance(&full).unwrap_err(),
+        many(1, MAX_INSTANCES)
+            .advance(&many(1 + MAX_INSTANCES, MAX_INSTANCES))
+            .unwrap_err(),
+    ] {
+        assert_eq!(e.sqlstate(), "54000", "{e:?}");
+        assert!(e.detail().contains("at most 10000"), "{e:?}");
+    }
+    assert!(full
+        .advance(&one_more)
+        .unwrap_err()
+        .detail()
+        .contains("lists 10001 instance positions"));
+    // What the join lists counts, not what its arguments do: shared
+    // instances once, and entries the new minimum covers not at all.
+    assert_eq!(full.advance(&full).unwrap(), full);
+    let above = Token::vector(5, [(1 + MAX_INSTANCES as i32, 6)]).unwrap();
+    assert_eq!(full.advance(&above).unwrap(), above);
+    assert_eq!(
+        Token::historical(9, 0).advance(&full).unwrap(),
+        full,
+        "a historical token at the minimum leaves the vector as it is"
+    );
+}
+
+#[test]
+fn folding_advance_stops_at_the_cap() {
+    // The SQL aggregate folds with advance: disjoint parts of 1000 entries
+    // reach the cap after 10 and fail on the 11th.
+    let mut acc = Token::live(0);
+    let mut failed_at = None;
+    for k in 0..12 {
+        match acc.advance(&many(1 + k * 1000, 1000)) {
+            Ok(j) => acc = j,
+            Err(e) => {
+                assert_eq!(e.sqlstate(), "54000", "{e:?}");
+                failed_at.get_or_insert(k);
+            }
+        }
+    }
+    assert_eq!(failed_at, Some(10));
+    assert_eq!(acc.instances().len(), MAX_INSTANCES);
+    // Every value the fold kept is still readable from text.
+    assert_eq!(
+        Token::parse(TokenKind::MultiWriter, &acc.to_text(TokenKind::MultiWriter)).unwrap(),
+        acc
+    );
 }
 
 /// An upper bound of `a` and `b` built without `advance`, raised by bumps.
@@ -71,11 +134,13 @@ proptest! {
         a in arb_room(), b in arb_room(), c in arb_room(),
         bumps in prop::collection::vec(any::<u8>(), 0..16), hist in any::<bool>(),
     ) {
-        let j = a.advance(&b);
+        // Small tokens (common::arb_room): never near the cap.
+        let join = |x: &Token, y: &Token| x.advance(y).unwrap();
+        let j = join(&a, &b);
         // Commutative, idempotent, associative.
-        prop_assert_eq!(&j, &b.advance(&a));
-        prop_assert_eq!(&a.advance(&a), &a);
-        prop_assert_eq!(j.advance(&c), a.advance(&b.advance(&c)));
+        prop_assert_eq!(&j, &join(&b, &a));
+        prop_assert_eq!(&join(&a, &a), &a);
+        prop_assert_eq!(join(&j, &c), join(&a, &join(&b, &c)));
         // An upper bound.
         prop_assert!(a.is_before_or_eq(&j));
         prop_assert!(b.is_before_or_eq(&j));

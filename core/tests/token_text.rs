@@ -399,6 +399,60 @@ proptest! {
 }
 
 #[test]
+fn clipping_counts_bytes_and_renders_invalid_utf8_after_cutting() {
+    use streampos_core::token::{clip_lossy, MAX_QUOTED_TEXT};
+    assert_eq!(clip_lossy(b"m5~2.7", 200), "m5~2.7");
+    assert_eq!(clip_lossy(b"", 200), "");
+    assert_eq!(clip_lossy(b"abcdef", 3), "abc...");
+    // Exactly `max` bytes is not cut.
+    assert_eq!(clip_lossy(b"abc", 3), "abc");
+    // A character the cut would split is left out whole.
+    assert_eq!(clip_lossy("ab\u{e9}".as_bytes(), 3), "ab...");
+    // Bytes that are not UTF-8 show as U+FFFD, 3 bytes each against `max`.
+    assert_eq!(clip_lossy(b"s\xff5", 200), "s\u{fffd}5");
+    assert_eq!(clip_lossy(b"\xff\xff\xff", 7), "\u{fffd}\u{fffd}...");
+    // Whatever the input, the result is bounded by the clip, not the input.
+    for input in [
+        vec![0xffu8; 100_000],
+        vec![b'x'; 100_000],
+        [0xe9u8, b'x'].repeat(50_000),
+    ] {
+        let shown = clip_lossy(&input, MAX_QUOTED_TEXT);
+        assert!(shown.len() <= MAX_QUOTED_TEXT + 3, "{}", shown.len());
+        assert!(shown.ends_with("..."));
+    }
+}
+
+#[test]
+fn input_that_is_not_utf8_is_22p02_with_a_clipped_quote() {
+    use streampos_core::token::MAX_QUOTED_TEXT;
+    let input = [b'm', b'5', 0xff].repeat(50_000);
+    for kind in [Room, MultiWriter] {
+        let e = Token::parse_bytes(kind, &input).unwrap_err();
+        assert_eq!(e.sqlstate(), "22P02", "{e:?}");
+        let TokenError::Syntax { text, detail, .. } = &e else {
+            panic!("{e:?}")
+        };
+        assert!(text.len() <= MAX_QUOTED_TEXT + 3, "{}", text.len());
+        assert!(text.starts_with("m5\u{fffd}m5"), "{text}");
+        assert_eq!(
+            detail,
+            "Byte 3 (0xff) is not valid UTF-8; a token is ASCII."
+        );
+        assert!(e.to_string().len() < 300);
+    }
+    // Valid UTF-8 is parsed as text.
+    assert_eq!(
+        Token::parse_bytes(Room, b"m5~2.7").unwrap(),
+        Token::parse(Room, "m5~2.7").unwrap()
+    );
+    assert_eq!(
+        Token::parse_bytes(Room, "s\u{e9}".as_bytes()),
+        Token::parse(Room, "s\u{e9}")
+    );
+}
+
+#[test]
 fn more_instance_positions_than_the_cap_is_54000_before_anything_is_allocated() {
     use streampos_core::token::{Token, TokenKind, MAX_INSTANCES};
     let entries = |n: usize| -> String {

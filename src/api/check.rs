@@ -10,7 +10,7 @@ use crate::error::{Error, OrRaise};
 use crate::{registry, sequence, sql};
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn check_stream(
+pub(super) fn check_stream(
     stream: &str,
     repair: default!(bool, false),
 ) -> TableIterator<
@@ -21,25 +21,38 @@ fn check_stream(
         name!(detail, String),
     ),
 > {
-    let meta = catalog::stream(stream).or_raise();
+    // The stream as it is now (a repair acts on it; adopt_synapse checks
+    // streams it registered in the same statement).
+    let meta = catalog::stream_latest(stream).or_raise();
     if repair && in_recovery() {
         Error::Recovery("repair a stream").report();
     }
     let mut rows = Vec::new();
     let seq_name = sql::relation_name(meta.seq);
 
-    let (increment, cache) = sequence::settings(meta.seq).unwrap_or((0, 0));
+    let settings = sequence::settings(meta.seq);
+    let (increment, cache) = settings.map_or((0, 0), |s| (s.increment, s.cache));
     // An UNLOGGED sequence resets at crash recovery (allocation refuses it).
     let persistence = match sql::relation_persistence(meta.seq).as_deref() {
         Some("p") => "",
         Some("u") => " and is UNLOGGED (it must be permanent)",
         _ => " and is not permanent (it must be)",
     };
+    // A MINVALUE below 1 or CYCLE (set after the stream was registered):
+    // allocation refuses the IDs it would give.
+    let range = match settings {
+        Some(s) if s.min < 1 || s.cycle => format!(
+            "; it has MINVALUE {}{} (it must be 1 or more, NO CYCLE)",
+            s.min,
+            if s.cycle { " and CYCLE" } else { "" }
+        ),
+        _ => String::new(),
+    };
     rows.push((
         "sequence".to_string(),
-        increment == 1 && cache == 1 && persistence.is_empty(),
+        increment == 1 && cache == 1 && persistence.is_empty() && range.is_empty(),
         format!(
-            "{seq_name} has INCREMENT {increment} and CACHE {cache} (both must be 1){persistence}"
+            "{seq_name} has INCREMENT {increment} and CACHE {cache} (both must be 1){persistence}{range}"
         ),
     ));
 
@@ -65,6 +78,27 @@ fn check_stream(
                     meta.external(seq_max)
                 )
             },
+        ));
+    }
+    // Registered tables that updates() skips: dropped ones are forgotten by
+    // a repair; one that lost its column needs add_table() again.
+    let mut forget = Vec::new();
+    for (oid, problem) in sql::unusable_stream_tables(stream) {
+        let dropped = problem == "was dropped";
+        if dropped {
+            forget.push(oid);
+        }
+        rows.push((
+            format!("table oid {}", oid.to_u32()),
+            false,
+            format!(
+                "{problem}; updates() skips it{}",
+                if dropped {
+                    " (repair => true forgets it)"
+                } else {
+                    " (add_table() again with the new column names)"
+                }
+            ),
         ));
     }
     let stored = sql::max_stored_position(stream).unwrap_or(0);
@@ -108,6 +142,17 @@ fn check_stream(
                     meta.external(allocated)
                 )
             },
+        ));
+    }
+    if repair && !forget.is_empty() {
+        for oid in &forget {
+            sql::forget_dropped_stream_table(stream, *oid);
+        }
+        catalog::mark_changed();
+        rows.push((
+            "repair".to_string(),
+            true,
+            format!("forgot {} dropped table(s)", forget.len()),
         ));
     }
     if needed > seq_max {

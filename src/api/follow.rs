@@ -8,7 +8,7 @@ use pgrx::pgrx_sql_entity_graph::metadata::{
     ArgumentError, ReturnsError, ReturnsRef, SqlMappingRef, SqlTranslatable, TypeOrigin,
 };
 use pgrx::prelude::*;
-use streampos_core::token::{Token, TokenKind};
+use streampos_core::token::{clip_lossy, Token, TokenKind, MAX_QUOTED_TEXT};
 
 use crate::catalog::{self, StreamMeta};
 use crate::engine::{self, in_recovery, registry_index, writer_ids};
@@ -56,15 +56,56 @@ fn with_row_snapshot<T>(f: impl FnOnce() -> T) -> T {
 
 /// A follower must not wait for, or read from, a position this server never
 /// reached: after an asynchronous failover or a point-in-time recovery its
-/// history differs from the one the follower saw.
-fn refuse_ahead(meta: &StreamMeta, what: &'static str, position: i64, shown: String) {
+/// history differs from the one the follower saw. `shown` (what the error
+/// quotes, clipped) is only built for the error.
+fn refuse_ahead(
+    meta: &StreamMeta,
+    what: &'static str,
+    position: i64,
+    shown: impl FnOnce() -> (String, Option<i64>),
+) {
     let allocated = answer_now(meta).positions.max_allocated;
     if position > allocated {
+        let (shown, highest) = shown();
         Error::AheadOfServer {
             what,
             stream: meta.name.as_str().into(),
-            position: shown,
+            position: clip_lossy(shown.as_bytes(), MAX_QUOTED_TEXT),
+            highest,
             max_allocated: meta.external(allocated),
+        }
+        .report();
+    }
+}
+
+/// After a start from WAL (a crash, or a standby promoted) the sequence
+/// stands where the last replayed `nextval` record put it, up to 32 values
+/// past what the lost history handed out, and the frontier starts there. A
+/// token position below that point but above every row this server has
+/// comes from transactions it never had: the follower holds rows that do
+/// not exist here. (A gap of aborted IDs at the tail before the crash looks
+/// the same: that follower resynchronises needlessly, never wrongly.)
+fn refuse_lost_history(meta: &StreamMeta, index: usize, since: &Token) {
+    let ceiling = registry::replayed_ceiling(index).or_raise();
+    let Some(position) = [since.stream(), since.max_stream_pos()]
+        .into_iter()
+        .filter(|&p| p > 0 && p < ceiling)
+        .max()
+    else {
+        return;
+    };
+    let have = sql::stream_tables(&meta.name)
+        .iter()
+        .filter_map(|t| sql::table_max_id_at_most(t, ceiling))
+        .chain(sql::max_stored_position(&meta.name))
+        .max()
+        .unwrap_or(0);
+    if position > have {
+        Error::LostHistory {
+            stream: meta.name.as_str().into(),
+            position,
+            have,
+            ceiling,
         }
         .report();
     }
@@ -96,7 +137,9 @@ fn refuse_on_standby() {
     }
 }
 
-#[pg_extern(volatile, strict, parallel_restricted)]
+// PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
+// which PostgreSQL refuses while a parallel plan runs in the query.
+#[pg_extern(volatile, strict, parallel_unsafe)]
 fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     let meta = catalog::stream(stream).or_raise();
     refuse_on_standby();
@@ -107,7 +150,7 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     } else {
         stream_id
     };
-    refuse_ahead(&meta, "target", target, stream_id.to_string());
+    refuse_ahead(&meta, "target", target, || (stream_id.to_string(), None));
     let reached = wait_until(index, timeout_ms, || {
         let f = answer_now(&meta).frontier();
         (f >= target, f)
@@ -121,7 +164,9 @@ fn token_now(meta: &StreamMeta) -> Token {
     a.positions.token(&writer_ids(meta, &a))
 }
 
-#[pg_extern(volatile, strict, parallel_restricted)]
+// PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
+// which PostgreSQL refuses while a parallel plan runs in the query.
+#[pg_extern(volatile, strict, parallel_unsafe)]
 fn updates(
     stream: &str,
     since: MultiWriterToken,
@@ -153,19 +198,24 @@ fn updates(
     refuse_on_standby();
     let index = registry_index(&meta);
     let since = since.0;
-    refuse_ahead(
-        &meta,
-        "token",
-        since.max_stream_pos(),
-        since.to_text(TokenKind::MultiWriter),
-    );
+    // A token at the cap prints to hundreds of kilobytes: the error quotes
+    // it clipped and names its highest position.
+    refuse_ahead(&meta, "token", since.max_stream_pos(), || {
+        (
+            since.to_text(TokenKind::MultiWriter),
+            Some(since.max_stream_pos()),
+        )
+    });
+    refuse_lost_history(&meta, index, &since);
     // Wait until some writer moved past `since`.
     let current = wait_until(index, timeout_ms, || {
         let t = token_now(&meta);
         (!t.is_before_or_eq(&since), t)
     });
     // Never hand a follower a token behind the one it gave us.
-    let until = since.advance(&current);
+    // A `since` listing other instances up to the cap can join the stream's
+    // writers to more than the cap: 54000, as for any token.
+    let until = since.advance(&current).or_raise();
     let tables = sql::stream_tables(stream);
     let limit = max_rows as usize;
     let since_text = since.to_text(TokenKind::MultiWriter);
@@ -199,7 +249,7 @@ fn updates(
             } else {
                 first_excluded
             };
-            (since.advance(&until.bound(cut)), cut, true)
+            (since.advance(&until.bound(cut)).or_raise(), cut, true)
         } else {
             (until.clone(), high, false)
         };

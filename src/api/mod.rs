@@ -8,6 +8,7 @@
 //! | `reading.rs` | frontier, max_allocated, writer_position(s), current_token, current_room_token, in_flight |
 //! | `follow.rs` | wait_for, updates |
 //! | `check.rs` | check_stream |
+//! | `synapse.rs` | adopt_synapse |
 //! | `lock_stats.rs` | lock_stats (bench builds with the feature `lock-stats` only) |
 
 mod check;
@@ -16,4 +17,5 @@ mod follow;
 mod lock_stats;
 mod reading;
 mod streams;
+mod synapse;
 mod writing;

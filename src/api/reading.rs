@@ -5,7 +5,7 @@ use pgrx::prelude::*;
 use streampos_core::token::Token;
 
 use crate::catalog;
-use crate::engine::{self, in_recovery, writer_ids};
+use crate::engine::{self, writer_ids};
 use crate::error::{Error, OrRaise};
 use crate::{registry, sql};
 
@@ -35,7 +35,7 @@ fn writer_position(stream: &str, writer: &str) -> i64 {
     let id = catalog::lookup_instance_id(writer);
     let position = match id {
         // On a standby, only stored positions are known.
-        _ if in_recovery() && !id.is_some_and(|id| a.seen.contains(&id)) => a.frontier(),
+        _ if a.stored_only && !id.is_some_and(|id| a.seen.contains(&id)) => a.frontier(),
         Some(id) => a.positions.writer_position(id),
         // A name this snapshot cannot resolve may belong to a writer whose
         // first transaction (which created the name) is still running: the

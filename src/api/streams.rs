@@ -9,7 +9,7 @@ use pgrx::{IntoDatum, PgRelation};
 use crate::catalog;
 use crate::engine;
 use crate::error::{Error, OrRaise};
-use crate::{registry, sequence, sql};
+use crate::{sequence, sql};
 
 /// A `regclass` return value.
 pub struct RegClass(pub pg_sys::Oid);
@@ -75,7 +75,7 @@ fn ensure_writer_instances(writers: &Option<Array<'_, &str>>) -> Option<Vec<Stri
 
 fn check_new_stream(stream: &str) {
     catalog::validate_stream_name(stream).or_raise();
-    if catalog::stream(stream).is_ok() {
+    if catalog::stream_latest(stream).is_ok() {
         Error::StreamExists(stream.into()).report();
     }
 }
@@ -103,7 +103,7 @@ fn create_stream(
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn adopt_stream(
+pub(super) fn adopt_stream(
     stream: &str,
     seq: PgRelation,
     backwards: default!(bool, false),
@@ -113,15 +113,16 @@ fn adopt_stream(
     let oid = seq.oid();
     let name = sql::relation_name(oid);
     match sequence::settings(oid) {
-        Some((1, 1)) => {}
         None => Error::NotASequence(name).report(),
-        Some((increment, cache)) => Error::InvalidArgument {
-            message: format!("sequence {name} must have INCREMENT 1 and CACHE 1"),
-            detail: Some(format!(
-                "It has INCREMENT {increment} and CACHE {cache}. With a cache, backends hand out IDs out of order, which no registry can see."
-            )),
+        Some(settings) => {
+            if let Some((message, detail)) = settings.problem(&name) {
+                Error::InvalidArgument {
+                    message,
+                    detail: Some(detail),
+                }
+                .report()
+            }
         }
-        .report(),
     }
     // Registering a sequence lets the extension repair it: only its owner may.
     // SAFETY: a catalog lookup; raises no error for an existing relation.
@@ -145,13 +146,13 @@ fn adopt_stream(
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
-fn add_table(
+pub(super) fn add_table(
     stream: &str,
     tbl: PgRelation,
     id_column: &str,
     instance_column: default!(Option<&str>, "NULL"),
 ) {
-    catalog::stream(stream).or_raise();
+    catalog::stream_latest(stream).or_raise();
     let oid = tbl.oid();
     let name = sql::relation_name(oid);
     // updates() and check_stream() read the table with the caller's
@@ -178,7 +179,7 @@ fn add_table(
 
 #[pg_extern(volatile, parallel_unsafe)]
 fn set_writers(stream: &str, writers: Option<Array<'_, &str>>) {
-    let meta = catalog::stream(stream).or_raise();
+    let meta = catalog::stream_latest(stream).or_raise();
     let writers = ensure_writer_instances(&writers);
     sql::set_stream_writers(stream, writers.clone());
     if let Some(writers) = writers {
@@ -192,15 +193,17 @@ fn set_writers(stream: &str, writers: Option<Array<'_, &str>>) {
 
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_stream(stream: &str) {
-    let meta = catalog::stream(stream).or_raise();
+    let mut meta = catalog::stream_latest(stream).or_raise();
+    // Wait for every transaction allocating from the stream's sequence to
+    // end; allocations after ours see the stream gone (sequence.rs).
+    sequence::lock_against_allocation(meta.seq);
+    meta = catalog::stream_latest(stream).or_raise();
+    catalog::mark_changed();
     sql::delete_stream(stream);
     if meta.owns_sequence {
         sql::drop_owned_sequence(meta.seq);
     }
-    if registry::is_loaded() {
-        registry::mark_dropped(meta.key).or_raise();
-    }
-    catalog::mark_changed();
+    catalog::drop_at_commit(meta.key);
 }
 
 #[pg_extern(volatile, strict, parallel_unsafe)]

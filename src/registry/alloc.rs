@@ -26,6 +26,14 @@ pub fn holding() -> bool {
     unsafe { HOLDING }
 }
 
+/// Where a call's IDs must start: above every ID allocated when the call
+/// began (returned by `begin_allocation`, checked by `finish_allocation`).
+#[derive(Clone, Copy)]
+pub struct Allocation {
+    pub entry: usize,
+    lower_bound: i64,
+}
+
 /// Step 1 of an allocation: publish, before `nextval` runs, a lower bound
 /// for the IDs this transaction is about to take. Without it a reader could
 /// see a later ID registered by another writer and report a frontier past
@@ -37,7 +45,7 @@ pub fn begin_allocation(
     instance: i32,
     instance_name: &str,
     xid: TransactionId,
-) -> Result<Result<usize, Stale>, Error> {
+) -> Result<Result<Allocation, Stale>, Error> {
     let slot_index = shmem::my_slot_index()?;
     register_exit_callback();
     let stream_i32 = stream as i32;
@@ -69,13 +77,18 @@ pub fn begin_allocation(
     if !matches(&locked.streams()[stream], key, seq) {
         return Ok(Err(Stale));
     }
+    let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
     if let Some(i) = locked
         .entries_in_use(slot_index)
         .iter()
         .position(|a| a.stream == stream_i32 && a.instance == instance)
     {
-        // The existing entry's minimum is already below anything new.
-        return Ok(Ok(i));
+        // The existing entry's minimum is already below anything new, as
+        // long as the new IDs are above what was allocated by now.
+        return Ok(Ok(Allocation {
+            entry: i,
+            lower_bound,
+        }));
     }
     let header = &mut locked.slot_headers()[slot_index];
     let i = header.used as usize;
@@ -86,7 +99,6 @@ pub fn begin_allocation(
             guc: "streampos.max_streams_per_transaction",
         });
     }
-    let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
     entry.min_id = lower_bound;
     entry.max_id = lower_bound;
     slot[i] = entry;
@@ -99,39 +111,49 @@ pub fn begin_allocation(
     if header.used == 1 {
         locked.activate_slot(slot_index);
     }
-    Ok(Ok(i))
+    Ok(Ok(Allocation {
+        entry: i,
+        lower_bound,
+    }))
 }
 
-/// Step 2: the IDs `first..=last` (in internal, positive numbering) were
-/// handed out by the sequence.
+/// Step 2: the sequence handed out `ids` (internal, positive numbering).
+/// Each must be above every ID allocated when the call began, and above the
+/// one before it: a sequence moved back (setval, RESTART), wrapped (CYCLE)
+/// or read through a cache could otherwise hand out an ID a reader has
+/// already passed.
 pub fn finish_allocation(
     stream: usize,
-    entry: usize,
-    first: i64,
-    last: i64,
-    count: i64,
+    allocation: Allocation,
+    ids: &[i64],
     lsn: u64,
 ) -> Result<(), Error> {
+    let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
+        return Ok(());
+    };
+    let mut floor = allocation.lower_bound;
+    for &id in ids {
+        if id < floor {
+            return Err(Error::InvalidState {
+                message: "the stream's sequence returned an ID below one already allocated".into(),
+                detail: Some(format!(
+                    "The sequence returned {id}, but {} was allocated before. Was it reset with setval(), \
+                     restarted, or did it cycle?",
+                    floor - 1
+                )),
+            });
+        }
+        floor = id.saturating_add(1);
+    }
     let slot_index = shmem::my_slot_index()?;
     let locked = Locked::acquire(Section::FinishAllocation)?;
-    let a = &mut locked.slot(slot_index)[entry];
-    if a.pending && first < a.min_id {
-        // The sequence went backwards (setval, or a cache > 1): a reader may
-        // already have reported a frontier past this ID.
-        return Err(Error::InvalidState {
-            message: "the stream's sequence returned an ID below one already allocated".into(),
-            detail: Some(format!(
-                "The sequence returned {first}, but {} was allocated before. Was it reset with setval()?",
-                a.min_id - 1
-            )),
-        });
-    }
+    let a = &mut locked.slot(slot_index)[allocation.entry];
     if a.pending {
         a.min_id = first;
         a.pending = false;
     }
     a.max_id = a.max_id.max(last);
-    a.count += count;
+    a.count += ids.len() as i64;
     a.lsn = a.lsn.max(lsn);
     let s = &mut locked.streams()[stream];
     s.max_allocated = s.max_allocated.max(last);

@@ -30,11 +30,15 @@ mod workers;
 pub use alloc::{
     begin_allocation, end_transaction, finish_allocation, flush_before_commit, holding, in_flight,
 };
-pub use shmem::{catalog_sync, is_loaded, request_shared_memory, require_loaded};
-pub use streams::{
-    forget_all_indexes, forget_index, generation, mark_dropped, raise_max_allocated, set_loaded,
-    stream_index, streams_of, Stale,
+pub use shmem::{
+    catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,
 };
-pub use visibility::{caller_snapshot, prune, prune_if_crowded, view, StreamView};
+pub use streams::{
+    forget_all_indexes, forget_index, generation, mark_dropped_at_commit, raise_max_allocated,
+    replayed_ceiling, set_loaded, stream_index, streams_of, Stale,
+};
+pub use visibility::{
+    caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, StreamView,
+};
 pub use wait::wait_for_change;
 pub use workers::{claim_worker_slot, release_worker_slot, worker_needed, worker_start_failed};

@@ -4,6 +4,7 @@
 //! One `ShmemInitStruct`, sized from settings at start-up:
 //! header | stream states | finished ring | backend slot headers | entries.
 
+use std::cell::UnsafeCell;
 use std::ffi::CStr;
 use std::ptr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -43,6 +44,11 @@ pub(super) struct Header {
     pub n_active: u32,
     /// The highest `lsn` ever pushed (for `Finished::lsn_prefix_max`).
     pub ring_lsn_max: u64,
+    /// The server started from WAL (after a crash, as a standby, or for a
+    /// point-in-time recovery), not from a clean shutdown: sequences may
+    /// stand up to 32 values past what was handed out before (see
+    /// `StreamState::replayed_ceiling`).
+    pub started_from_wal: bool,
     /// The highest durable WAL position ever seen (see
     /// `visibility::durable_lsn`): what was final stays final when
     /// synchronous standbys are configured later.
@@ -55,16 +61,85 @@ pub(super) struct Header {
     pub workers: [WorkerSlot; MAX_DATABASES],
 }
 
+/// Catalog-changing transactions remembered by xid (see `CatalogState`).
+pub const RECENT_CATALOG_CHANGES: usize = 16;
+
 /// What backends share about the stream catalog (see `catalog.rs`, its only
-/// user). Atomics: read on every catalog lookup, without the lock.
+/// user), behind a spinlock of its own: it is read on every catalog lookup
+/// and held for a few dozen instructions, never across a call that can fail.
 #[repr(C)]
 pub struct CatalogSync {
-    /// Bumped by every change to the stream catalog; backends drop their
-    /// cached catalog rows when it moves.
-    pub generation: AtomicU64,
-    /// The top xid of the latest catalog-changing transaction. A backend
-    /// caches a catalog row only if its snapshot saw that transaction.
-    pub last_xid: AtomicU32,
+    lock: AtomicU32,
+    /// A seqlock over `state` for `read` (odd while `with` runs): every
+    /// catalog lookup reads the state, and readers that only load leave the
+    /// cache line shared, where the spinlock would make each of them write it.
+    version: AtomicU64,
+    state: UnsafeCell<CatalogState>,
+}
+
+/// See `catalog.rs`, "Which snapshots may use the cache".
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CatalogState {
+    /// Moves when a catalog-changing transaction starts committing and
+    /// again when it has ended: cached rows of an older generation are
+    /// dropped.
+    pub generation: u64,
+    /// Catalog-changing transactions between their pre-commit and the end
+    /// of their commit (or abort): while any is, nobody uses the cache.
+    pub committing: u32,
+    /// The top xids of the latest catalog-changing commits, a ring written
+    /// at `recent_pushed % RECENT_CATALOG_CHANGES`.
+    pub recent: [u32; RECENT_CATALOG_CHANGES],
+    pub recent_pushed: u64,
+    /// The newest xid that fell out of `recent` (0: none yet).
+    pub evicted: u32,
+}
+
+// SAFETY: the state is only touched under `lock`, by `with`.
+unsafe impl Sync for CatalogSync {}
+
+impl CatalogSync {
+    /// Run `f` on the state under the spinlock. `f` must not fail or panic
+    /// (it copies or adds a few fields).
+    pub fn with<R>(&self, f: impl FnOnce(&mut CatalogState) -> R) -> R {
+        while self
+            .lock
+            .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::hint::spin_loop();
+        }
+        let version = self.version.load(Ordering::Relaxed);
+        self.version.store(version + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        // SAFETY: the spinlock is held; shared memory lives as long as the
+        // process.
+        let value = f(unsafe { &mut *self.state.get() });
+        self.version.store(version + 2, Ordering::Release);
+        self.lock.store(0, Ordering::Release);
+        value
+    }
+
+    /// A copy of the state, without writing anything shared: a seqlock
+    /// read, tried until no `with` ran meanwhile (`with` is short and rare:
+    /// catalog changes only).
+    pub fn read(&self) -> CatalogState {
+        loop {
+            let before = self.version.load(Ordering::Acquire);
+            if before.is_multiple_of(2) {
+                // SAFETY: the state holds integers only, any bit pattern
+                // is valid; a copy torn by a concurrent `with` is thrown
+                // away below.
+                let copy = unsafe { std::ptr::read_volatile(self.state.get()) };
+                fence(Ordering::Acquire);
+                if self.version.load(Ordering::Relaxed) == before {
+                    return copy;
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
 }
 
 #[repr(C)]
@@ -122,6 +197,11 @@ pub(super) struct StreamState {
     /// when the stream was loaded): tokens list them.
     pub n_seen: u32,
     pub seen: [i32; SEEN_WRITERS],
+    /// When the server started from WAL: the maximum allocated ID loaded
+    /// from the sequence. IDs below it that no row here has may have been
+    /// handed out by a history this server lost (a follower holding one
+    /// must resynchronise); 0 otherwise.
+    pub replayed_ceiling: i64,
 }
 
 /// A finished allocation kept for snapshots that may not see its end yet.
@@ -320,6 +400,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*header).ring_cap = ring_cap as u32;
             (*header).n_slots = n_slots as u32;
             (*header).per_slot = per_slot as u32;
+            (*header).started_from_wal = started_from_wal();
             let entries = base.add(l.entries) as *mut Active;
             for i in 0..n_slots * per_slot {
                 entries.add(i).write(FREE_ACTIVE);
@@ -389,6 +470,26 @@ impl Section {
                 | Section::OtherExclusive
         )
     }
+}
+
+/// Does this start replay WAL? In the postmaster, before the startup
+/// process runs: the control file still says how the server stopped, and
+/// the signal files say whether it starts as a standby or for a recovery.
+/// Unreadable: assume it does (the cautious answer).
+unsafe fn started_from_wal() -> bool {
+    let mut crc_ok = false;
+    // SAFETY: DataDir is set (and the working directory) before shared
+    // memory is created; the control file was read by the postmaster
+    // already, so this read succeeds or the server would not be starting.
+    let control = unsafe { pg_sys::get_controlfile(pg_sys::DataDir, &mut crc_ok) };
+    if control.is_null() || !crc_ok {
+        return true;
+    }
+    // SAFETY: a palloc'd copy of the control file, checked non-null.
+    let clean = unsafe { (*control).state } == pg_sys::DBState::DB_SHUTDOWNED;
+    !clean
+        || std::path::Path::new("standby.signal").exists()
+        || std::path::Path::new("recovery.signal").exists()
 }
 
 /// A view of the registry while its lock is held. Dropping it releases the
@@ -794,7 +895,7 @@ pub(super) fn durable_high_water() -> Option<&'static AtomicU64> {
     unsafe { HEADER.as_ref().map(|h| &h.durable_high_water) }
 }
 
-/// The shared catalog generation and last catalog xid, when loaded.
+/// What backends share about the stream catalog, when loaded.
 pub fn catalog_sync() -> Option<&'static CatalogSync> {
     // SAFETY: HEADER is set once per process at start-up; the atomics in it
     // live as long as shared memory, i.e. as long as the process.

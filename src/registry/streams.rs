@@ -4,7 +4,7 @@
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, Section, StreamState, SEEN_WRITERS};
+use super::shmem::{Locked, Section, StreamState, HEADER, SEEN_WRITERS};
 use crate::error::Error;
 
 thread_local! {
@@ -112,6 +112,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.key = key;
     s.seq = seq;
     s.max_allocated = 0;
+    s.replayed_ceiling = 0;
     s.generation = s.generation.wrapping_add(1);
     s.summary.valid = false;
     s.n_seen = 0;
@@ -170,10 +171,12 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
 /// so that tokens list them without reading the table on every call.
 pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> Result<(), Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
+    let from_wal = locked.h().started_from_wal;
     let s = &mut locked.streams()[index];
     if !s.loaded {
         s.loaded = true;
         s.max_allocated = max_allocated;
+        s.replayed_ceiling = if from_wal { max_allocated } else { 0 };
         for &w in stored_writers.iter().take(SEEN_WRITERS) {
             if !s.seen[..s.n_seen as usize].contains(&w) {
                 s.seen[s.n_seen as usize] = w;
@@ -184,17 +187,25 @@ pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> R
     Ok(())
 }
 
-/// Mark a stream dropped (its key is never reused).
-pub fn mark_dropped(key: i32) -> Result<(), Error> {
-    // SAFETY: MyDatabaseId is set once the backend is connected.
-    let db = unsafe { pg_sys::MyDatabaseId };
-    let locked = Locked::acquire(Section::OtherExclusive)?;
-    for s in locked.streams().iter_mut() {
-        if s.in_use && s.db == db && s.key == key {
-            s.dropped = true;
+/// Mark streams of this database dropped (their keys are never reused), from
+/// the commit callback of the transaction that dropped them: nothing here
+/// raises an ERROR or allocates. Until that commit the stream lives on.
+pub fn mark_dropped_at_commit(keys: &[i32]) {
+    // SAFETY: HEADER is checked non-null (it is set once at start-up); the
+    // states are touched under the registry lock; MyDatabaseId is set once
+    // the backend is connected.
+    unsafe {
+        if keys.is_empty() || HEADER.is_null() {
+            return;
+        }
+        let db = pg_sys::MyDatabaseId;
+        let locked = Locked::acquire_raw(HEADER, Section::OtherExclusive);
+        for s in locked.streams().iter_mut() {
+            if s.in_use && s.db == db && keys.contains(&s.key) {
+                s.dropped = true;
+            }
         }
     }
-    Ok(())
 }
 
 /// After `check_stream(…, repair => true)` moved the sequence forward, the
@@ -226,6 +237,12 @@ pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
         .filter(|(_, s)| s.in_use && s.loaded && !s.dropped && s.db == db)
         .map(|(i, s)| (s.key, i, s.generation))
         .collect()
+}
+
+/// See `StreamState::replayed_ceiling`.
+pub fn replayed_ceiling(stream: usize) -> Result<i64, Error> {
+    let locked = Locked::acquire(Section::OtherShared)?;
+    Ok(locked.streams()[stream].replayed_ceiling)
 }
 
 /// The stream's generation: it moves whenever an allocation finishes.

@@ -89,7 +89,7 @@ impl Locked {
 
 /// `TransactionIdPrecedes` (transam.c), inlined: it is called for every
 /// entry a reader examines.
-fn precedes(a: TransactionId, b: TransactionId) -> bool {
+pub fn precedes(a: TransactionId, b: TransactionId) -> bool {
     let (a, b) = (a.into_inner(), b.into_inner());
     let first_normal = pg_sys::FirstNormalTransactionId.into_inner();
     if a < first_normal || b < first_normal {
@@ -383,7 +383,7 @@ pub fn view(
     'tries: for _ in 0..LOCK_FREE_TRIES {
         let mut before = raw.begin_read();
         let mut spins = 0;
-        while before % 2 == 1 {
+        while !before.is_multiple_of(2) {
             if spins == SPINS {
                 break 'tries;
             }

@@ -7,13 +7,23 @@ each other's state. Helpers live in support.py. Tests marked
 """
 
 import re
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 
-from support import DBNAME, connect_raw, create_stream, drop_streams, stored_positions, wait_until
+from support import (
+    DBNAME,
+    connect_raw,
+    conninfo_string,
+    create_stream,
+    drop_streams,
+    scratch_database,
+    stored_positions,
+    wait_until,
+)
 
 
 def pytest_configure(config):
@@ -124,3 +134,21 @@ def pool():
     yield executor
     # Every blocking call in these tests is bounded; do not hang on a failure.
     executor.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def synapse_template():
+    """A database with Synapse's real schema (made by the pinned Synapse's
+    own prepare_database), filled by synapse_db.fill, with the extension
+    and no stream: tests copy it (CREATE DATABASE … TEMPLATE) rather than
+    build it again."""
+    import synapse_db  # Synapse's import takes seconds: only when needed.
+
+    with scratch_database("streampos_synapse_template") as name:
+        started = time.monotonic()
+        schema_seconds, fill_seconds = synapse_db.create(conninfo_string(name))
+        print(
+            f"\nSynapse template: schema {schema_seconds:.2f}s, fill {fill_seconds:.2f}s, "
+            f"{time.monotonic() - started:.2f}s with imports"
+        )
+        yield name

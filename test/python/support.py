@@ -6,6 +6,7 @@ STREAMPOS_PGHOST, STREAMPOS_PGPORT and STREAMPOS_PGDATA.
 """
 
 
+import contextlib
 import os
 import subprocess
 import time
@@ -19,6 +20,9 @@ PGDATA = os.environ.get("STREAMPOS_PGDATA")
 PGUSER = os.environ.get("STREAMPOS_PGUSER", "postgres")
 PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 DBNAME = "streampos_pytest"
+# A SQL file run in every scratch database after CREATE EXTENSION (e.g. to
+# try SQL objects against the tests without rebuilding the extension).
+EXTRA_SQL = os.environ.get("STREAMPOS_TEST_EXTRA_SQL")
 
 # The contract (docs/contract.md): stream_positions is "caught up within a
 # second of a commit"; in-flight IDs of a terminated or disconnected session
@@ -28,6 +32,11 @@ CATCH_UP_SECONDS = 1.0
 
 def _conninfo(dbname):
     return dict(host=PGHOST, port=PGPORT, user=PGUSER, dbname=dbname, connect_timeout=10)
+
+
+def conninfo_string(dbname=DBNAME):
+    """The libpq connection string of a database of the test server."""
+    return psycopg.conninfo.make_conninfo(**_conninfo(dbname))
 
 
 def connect_raw(dbname=DBNAME, **kwargs):
@@ -170,6 +179,52 @@ def drop_streams(prefix):
                 c.execute("SELECT streampos.drop_stream(%s)", (name,))
             except psycopg.Error:
                 pass
+
+
+# --------------------------------------------------------------- scratch databases
+
+
+def drop_all_streams(dbname):
+    """Drop every stream of a database (its registry slots are freed only
+    this way: those of a dropped database stay taken until a restart)."""
+    with connect_raw(dbname, connect_timeout=5) as c:
+        c.execute("SET lock_timeout = '2s'")
+        if one(c, "SELECT count(*) FROM pg_catalog.pg_extension WHERE extname = 'streampos'") == 0:
+            return
+        for (name,) in rows(c, "SELECT stream_name FROM streampos.streams"):
+            try:
+                c.execute("SELECT streampos.drop_stream(%s)", (name,))
+            except psycopg.Error:
+                pass
+
+
+def drop_database(dbname):
+    with connect_raw("postgres") as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def scratch_database(dbname, template=None, extension=True):
+    """A database of its own for a test (a copy of ``template`` if given,
+    with the extension unless ``extension`` is false); its streams and the
+    database are dropped afterwards."""
+    drop_database(dbname)
+    with connect_raw("postgres") as admin:
+        clause = f' TEMPLATE "{template}"' if template else ""
+        admin.execute(f'CREATE DATABASE "{dbname}"{clause}')
+    try:
+        if extension:
+            with connect_raw(dbname) as c:
+                c.execute("CREATE EXTENSION IF NOT EXISTS streampos")
+                if EXTRA_SQL:
+                    with open(EXTRA_SQL, encoding="utf-8") as f:
+                        c.execute(f.read())
+        yield dbname
+    finally:
+        try:
+            drop_all_streams(dbname)
+        finally:
+            drop_database(dbname)
 
 
 # --------------------------------------------------------------- server control

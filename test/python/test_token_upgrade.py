@@ -110,12 +110,14 @@ def test_update_rebuilds_indexes_that_sort_room_tokens(scratch_db):
 
 
 def catalog(conn):
-    """Every function, operator and comment of the extension, as text."""
+    """Every function (with its arguments, defaults, result and
+    privileges), operator and comment of the extension, as text."""
     functions = rows(
         conn,
         """
         SELECT p.oid::regprocedure::text, p.provolatile, p.proparallel, p.proisstrict,
-               p.prosrc, obj_description(p.oid, 'pg_proc')
+               p.prosrc, obj_description(p.oid, 'pg_proc'),
+               pg_get_function_arguments(p.oid), pg_get_function_result(p.oid), p.proacl::text
         FROM pg_proc p JOIN pg_depend d ON d.objid = p.oid
         WHERE d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'streampos')
           AND d.classid = 'pg_proc'::regclass

@@ -90,11 +90,13 @@ def catalog(conn):
         ORDER BY 1, 2
     """)
     out["tables"] = rows(conn, """
-        SELECT c.relname, c.relkind, c.relacl::text, obj_description(c.oid, 'pg_class'),
+        SELECT c.relname, c.relkind,
+               -- NULL means the owner's defaults: compare what they grant
+               coalesce(c.relacl, acldefault(CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END::"char", c.relowner))::text, obj_description(c.oid, 'pg_class'),
                ARRAY(SELECT a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
                             || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
                             || coalesce(' default ' || pg_get_expr(ad.adbin, ad.adrelid), '')
-                            || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity ELSE '' END
+                            || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END
                      FROM pg_attribute a
                      LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
                      WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum),
@@ -144,7 +146,15 @@ def test_a_database_in_use_is_updated_in_place(fresh_db, connect):
     """Created at 0.1.0 with today's library, streams with rows, a writer
     holding IDs in an open transaction and a reader inside a REPEATABLE READ
     transaction while ALTER EXTENSION UPDATE runs; everything goes on after
-    it, and the writer's IDs are still in flight until it commits."""
+    it, and the writer's IDs are still in flight until it commits.
+
+    The update takes ACCESS EXCLUSIVE on the catalog tables (new constraints)
+    and SHARE on tables whose indexes it rebuilds, so it waits for any
+    transaction that has read the catalog or written such a table: the two
+    sessions here looked their stream up before their transaction (the
+    per-backend catalog cache answers inside it, so they hold no catalog
+    lock), and the rebuilt token index is on a table nobody is writing.
+    test_the_update_waits_for_catalog_readers shows the wait itself."""
     name = fresh_db()
     admin = connect_raw(name)
     admin.execute("CREATE EXTENSION streampos VERSION '0.1.0'")
@@ -152,19 +162,21 @@ def test_a_database_in_use_is_updated_in_place(fresh_db, connect):
     admin.execute("CREATE TABLE events (stream_ordering bigint PRIMARY KEY, instance_name text, body text)")
     admin.execute("SELECT streampos.add_table('events', 'events', 'stream_ordering', 'instance_name')")
     admin.execute("SELECT streampos.create_stream('backfill', backwards => true)")
-    admin.execute("CREATE INDEX events_token ON events ((streampos.make_room_token(stream_ordering)))")
-    for writer in ("p1", "p2", "p1"):
-        admin.execute(
-            "INSERT INTO events SELECT streampos.next_id('events', %s), %s, 'before'", (writer, writer)
+    admin.execute("CREATE TABLE archive (stream_ordering bigint)")
+    admin.execute("INSERT INTO archive SELECT g FROM generate_series(1, 50) g")
+    admin.execute("CREATE INDEX archive_token ON archive ((streampos.make_room_token(stream_ordering)))")
+    writer = connect_raw(name)  # its catalog cache learns 'events' and 'p2' here
+    for session, instance in ((admin, "p1"), (writer, "p2"), (admin, "p1")):
+        session.execute(
+            "INSERT INTO events SELECT streampos.next_id('events', %s), %s, 'before'", (instance, instance)
         )
     assert one(admin, "SELECT streampos.frontier('events')") == 3
     assert one(admin, "SELECT streampos.next_id('backfill', 'p1')") == -1
 
-    writer = connect_raw(name)
     writer.execute("BEGIN")
     held = one(writer, "SELECT streampos.next_id('events', 'p2')")
-    writer.execute("INSERT INTO events VALUES (%s, 'p2', 'in flight')", (held,))
     reader = connect_raw(name)
+    reader.execute("SELECT streampos.frontier('events')")
     reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     assert one(reader, "SELECT streampos.frontier('events')") == 3
 
@@ -177,6 +189,7 @@ def test_a_database_in_use_is_updated_in_place(fresh_db, connect):
     assert rows(admin, "SELECT instance_name, min_id FROM streampos.in_flight('events')") == [("p2", held)]
     admin.execute("INSERT INTO events SELECT streampos.next_id('events', 'p1'), 'p1', 'after'")
     assert one(admin, "SELECT streampos.frontier('events')") == 3
+    writer.execute("INSERT INTO events VALUES (%s, 'p2', 'in flight')", (held,))
     writer.execute("COMMIT")
     assert one(admin, "SELECT streampos.frontier('events')") == held + 1
     assert one(admin, "SELECT streampos.current_room_token('events')::text") == f"s{held + 1}"
@@ -206,3 +219,24 @@ def test_a_database_in_use_is_updated_in_place(fresh_db, connect):
         admin.execute(f"DROP ROLE {role}")
     for c in (admin, writer, reader):
         c.close()
+
+
+def test_the_update_waits_for_catalog_readers(fresh_db):
+    """A transaction that has read the catalog (cold cache) holds ACCESS SHARE
+    on it: the update waits for it, under lock_timeout it fails with 55P03
+    and changes nothing, and after that transaction ends it goes through."""
+    name = fresh_db()
+    admin = connect_raw(name)
+    admin.execute("CREATE EXTENSION streampos VERSION '0.1.0'")
+    admin.execute("SELECT streampos.create_stream('events')")
+    reader = connect_raw(name)
+    reader.execute("BEGIN")
+    assert one(reader, "SELECT streampos.frontier('events')") == 0
+    admin.execute("SET lock_timeout = '300ms'")
+    with pytest.raises(psycopg.errors.LockNotAvailable):
+        admin.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+    assert one(admin, "SELECT extversion FROM pg_extension WHERE extname = 'streampos'") == "0.1.0"
+    reader.execute("COMMIT")
+    admin.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+    assert one(admin, "SELECT extversion FROM pg_extension WHERE extname = 'streampos'") == CURRENT
+    assert one(reader, "SELECT streampos.frontier('events')") == 0

@@ -247,7 +247,7 @@ def _writer(conninfo, st, stream, table, instance, seed, abort_rate, tolerate):
     finally:
         with st.lock:
             st.writers_alive -= 1
-        for c in (conn, importer):
+        for c in (conn,):
             if c is not None:
                 try:
                     c.close()

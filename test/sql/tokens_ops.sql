@@ -308,6 +308,19 @@ SELECT advance(t) IS NULL AS empty_is_null FROM positions WHERE false;
 -- The aggregate agrees with folding the function in any order.
 SELECT advance(t) = advance('m4~1.9'::room_stream_token, advance('s5'::room_stream_token, 'm3~2.8')) AS same
 FROM positions WHERE room = 'a';
+-- Like every way to build a token, the function and the aggregate refuse a
+-- result of more than 10000 instance positions (54000); at the cap is fine.
+CREATE TABLE wide (part int, m multi_writer_token);
+INSERT INTO wide
+SELECT part, make_multi_writer_token(0, array_agg(i), array_agg(5::bigint))
+FROM (SELECT i, (i - 1) / 5000 AS part FROM generate_series(1, 15000) i) s
+GROUP BY part;
+SELECT cardinality(string_to_array(advance(m)::text, '~')) - 1 AS at_the_cap
+FROM wide WHERE part < 2;
+SELECT advance(m) IS NULL FROM wide;
+SELECT advance(advance(a.m, b.m)::room_stream_token, c.m::room_stream_token) IS NULL
+FROM wide a, wide b, wide c WHERE (a.part, b.part, c.part) = (0, 1, 2);
+DROP TABLE wide;
 
 ---------------------------------------------------------------------------
 -- 9. bound(t, max): every component capped at max, entries that fall to the

@@ -35,9 +35,10 @@ macro_rules! token_type {
                 self.0
             }
 
-            /// Least upper bound (`streampos.advance`).
-            pub fn advance(&self, other: &Self) -> Self {
-                $name(self.0.advance(&other.0))
+            /// Least upper bound (`streampos.advance`); more than
+            /// `MAX_INSTANCES` positions is an error, as on the server.
+            pub fn advance(&self, other: &Self) -> Result<Self, TokenError> {
+                self.0.advance(&other.0).map($name)
             }
 
             /// Every component capped at `max_stream` (`streampos.bound`).

@@ -305,6 +305,12 @@ async fn wait_for_wakes_on_commit() {
     assert_eq!(reached, 1);
     assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
 
+    // IDs 2..5 allocated and still in flight: waiting for 5 times out with
+    // the frontier (a target this server never allocated would be an error:
+    // the follower must resynchronise).
+    let mut holder = connect(&conninfo).await;
+    let held = holder.transaction().await.unwrap();
+    sp::next_ids(&held, &stream, "w1", 4).await.unwrap();
     let start = Instant::now();
     assert_eq!(
         sp::wait_for(&waiter, &stream, 5, Duration::from_millis(200))
@@ -313,6 +319,11 @@ async fn wait_for_wakes_on_commit() {
         1
     );
     assert!(start.elapsed() >= Duration::from_millis(200));
+    held.rollback().await.unwrap();
+    let err = sp::wait_for(&waiter, &stream, 1000, Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(format!("{err:?}").contains("72000"), "{err:?}");
 }
 
 async fn insert(
@@ -361,7 +372,8 @@ async fn updates_parse_into_typed_rows() {
             .await
             .unwrap();
         answers += 1;
-        let table = answer.table(&format!("{stream}_rows")).unwrap();
+        // Table names are schema-qualified, as regclass prints them.
+        let table = answer.table(&format!("public.{stream}_rows")).unwrap();
         assert_eq!(table.columns, ["id", "instance_name", "body"]);
         assert_eq!(table.column("body"), Some(2));
         assert!(table.rows.len() <= 2);

@@ -6,7 +6,7 @@
 
 use std::cmp::Ordering;
 
-use super::Token;
+use super::{Token, TokenError, MAX_INSTANCES};
 
 impl Token {
     /// A least upper bound in the [`Token::is_before_or_eq`] preorder
@@ -19,9 +19,14 @@ impl Token {
     /// historical ∨ live = the live token with every component raised to at
     /// least the historical token's stream. Commutative, associative,
     /// idempotent; `a ≼ b` exactly when `advance(a, b)` has `b`'s live view.
-    pub fn advance(&self, other: &Token) -> Token {
+    ///
+    /// A join that would list more than [`MAX_INSTANCES`] positions is
+    /// [`TokenError::TooLarge`] (54000), like any other way to build one:
+    /// every token can be read back from its text and wire forms. Folding
+    /// many tokens (the SQL aggregate) stops at the first such step.
+    pub fn advance(&self, other: &Token) -> Result<Token, TokenError> {
         match (self.topological, other.topological) {
-            (Some(a), Some(b)) => Token::historical(a.max(b), self.stream.max(other.stream)),
+            (Some(a), Some(b)) => Ok(Token::historical(a.max(b), self.stream.max(other.stream))),
             _ => join_live(self.stream, &self.instances, other.stream, &other.instances),
         }
     }
@@ -49,9 +54,11 @@ impl Token {
 }
 
 /// The join of two live views (stream, sorted distinct entries all above
-/// stream): componentwise maximum, entries not above the new stream dropped.
-fn join_live(s1: i64, a: &[(i32, i64)], s2: i64, b: &[(i32, i64)]) -> Token {
+/// stream): componentwise maximum, entries not above the new stream dropped;
+/// more than [`MAX_INSTANCES`] of them is an error.
+fn join_live(s1: i64, a: &[(i32, i64)], s2: i64, b: &[(i32, i64)]) -> Result<Token, TokenError> {
     let stream = s1.max(s2);
+    // At most twice the cap, as both inputs are tokens.
     let mut out = Vec::with_capacity(a.len() + b.len());
     let (mut a, mut b) = (a, b);
     loop {
@@ -85,9 +92,18 @@ fn join_live(s1: i64, a: &[(i32, i64)], s2: i64, b: &[(i32, i64)]) -> Token {
             out.push((id, pos));
         }
     }
-    Token {
+    if out.len() > MAX_INSTANCES {
+        return Err(TokenError::TooLarge {
+            type_name: "token",
+            detail: format!(
+                "The least upper bound of the two tokens lists {} instance positions; at most {MAX_INSTANCES} are allowed.",
+                out.len()
+            ),
+        });
+    }
+    Ok(Token {
         topological: None,
         stream,
         instances: out,
-    }
+    })
 }

@@ -52,6 +52,7 @@ mod text;
 mod wire;
 
 pub use range::{in_range, in_range_room, UNNAMED_WRITER};
+pub use text::{clip_lossy, MAX_QUOTED_TEXT};
 
 /// Which of the two SQL token types a text, storage or wire form belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,10 +242,15 @@ impl Token {
         stream: i64,
         instances: impl IntoIterator<Item = (i32, i64)>,
     ) -> Result<Token, TokenError> {
-        let instances = instances.into_iter();
+        let mut instances = instances.into_iter();
         check_instance_count("token", instances.size_hint().0 as u64)?;
-        let mut v: Vec<(i32, i64)> = instances.collect();
-        check_instance_count("token", v.len() as u64)?;
+        // Never more than one entry past the cap is kept, whatever the
+        // iterator's size hint said; the rest is only counted.
+        let mut v: Vec<(i32, i64)> = instances.by_ref().take(MAX_INSTANCES + 1).collect();
+        if v.len() > MAX_INSTANCES {
+            let count = v.len() as u64 + instances.count() as u64;
+            check_instance_count("token", count)?;
+        }
         match normalise_vector(stream, &mut v) {
             Ok(()) => Ok(Token {
                 topological: None,

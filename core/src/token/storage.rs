@@ -1,7 +1,7 @@
 //! The storage form: the varlena payload PostgreSQL keeps on disk.
 
 use super::reader::Reader;
-use super::{Token, TokenError, TokenKind, VectorFault};
+use super::{Token, TokenError, TokenKind, VectorFault, MAX_INSTANCES};
 
 impl Token {
     /// Appends the compact storage form (the varlena payload, header
@@ -30,7 +30,9 @@ impl Token {
     /// Reads the storage form written by [`Token::encode`], validating
     /// everything (length, flags, strictly ascending ids, pos > stream, no
     /// pairs when historical, not historical for multi-writer tokens).
-    /// Failures are [`TokenError::Corrupt`] (XX001).
+    /// Failures are [`TokenError::Corrupt`] (XX001), or
+    /// [`TokenError::TooLarge`] (54000) for more than [`MAX_INSTANCES`]
+    /// positions.
     pub fn decode(kind: TokenKind, bytes: &[u8]) -> Result<Token, TokenError> {
         let corrupt = |detail: String| TokenError::Corrupt {
             type_name: kind.type_name(),
@@ -81,7 +83,18 @@ impl Token {
                 body.len()
             )));
         }
-        let mut instances = Vec::with_capacity(body.len() / 12);
+        // Only a version without the cap could have stored more; reading it
+        // is refused like any other way to build such a token.
+        let count = body.len() / 12;
+        if count > MAX_INSTANCES {
+            return Err(TokenError::TooLarge {
+                type_name: kind.type_name(),
+                detail: format!(
+                    "The stored value lists {count} instance positions; at most {MAX_INSTANCES} are allowed."
+                ),
+            });
+        }
+        let mut instances = Vec::with_capacity(count);
         let mut prev: Option<i32> = None;
         let mut pairs = Reader(body);
         while let (Some(id), Some(pos)) = (pairs.i32_le(), pairs.i64_le()) {

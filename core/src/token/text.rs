@@ -4,36 +4,68 @@
 use super::{normalise_vector, Token, TokenError, TokenKind};
 
 /// Longest offending text quoted in a message, in bytes.
-const MAX_QUOTED_TEXT: usize = 200;
+pub const MAX_QUOTED_TEXT: usize = 200;
 /// Longest number quoted in a detail, in bytes.
 const MAX_QUOTED_NUMBER: usize = 40;
+
+/// `bytes` as a message may quote them: at most `max` bytes of text, cut on
+/// a character boundary, with `...` appended when cut. Bytes that are not
+/// UTF-8 (input in a `SQL_ASCII` or `LATIN1` database) are shown as U+FFFD,
+/// which counts its 3 bytes against `max`. Reads no further than the part
+/// it shows, so the cost is bounded whatever the input's length.
+pub fn clip_lossy(bytes: &[u8], max: usize) -> String {
+    let mut out = String::with_capacity(max.min(bytes.len().saturating_mul(3)) + 3);
+    for chunk in bytes.utf8_chunks() {
+        let invalid = (!chunk.invalid().is_empty()).then_some(char::REPLACEMENT_CHARACTER);
+        for c in chunk.valid().chars().chain(invalid) {
+            if out.len() + c.len_utf8() > max {
+                out.push_str("...");
+                return out;
+            }
+            out.push(c);
+        }
+    }
+    out
+}
 
 /// `text` cut to at most `max` bytes on a char boundary, with `...` appended
 /// when cut.
 fn clip(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max;
-    while end > 0 && !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    let mut s = String::with_capacity(end + 3);
-    s.push_str(text.get(..end).unwrap_or(""));
-    s.push_str("...");
-    s
+    clip_lossy(text.as_bytes(), max)
 }
+
 impl Token {
     /// Parses the text form of `kind` (Synapse-compatible, see module docs).
     pub fn parse(kind: TokenKind, text: &str) -> Result<Token, TokenError> {
         parse_inner(kind, text).map_err(|f| f.into_error(kind, text))
     }
 
+    /// [`Token::parse`] of bytes in any server encoding: bytes that are not
+    /// UTF-8 are not ASCII either, so no token has them; the error quotes
+    /// the input clipped like every other.
+    pub fn parse_bytes(kind: TokenKind, bytes: &[u8]) -> Result<Token, TokenError> {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Token::parse(kind, text),
+            Err(e) => {
+                let at = e.valid_up_to();
+                let byte = bytes.get(at).copied().unwrap_or(0);
+                Err(TokenError::Syntax {
+                    type_name: kind.type_name(),
+                    text: clip_lossy(bytes, MAX_QUOTED_TEXT),
+                    detail: format!(
+                        "Byte {} (0x{byte:02x}) is not valid UTF-8; a token is ASCII.",
+                        at + 1
+                    ),
+                })
+            }
+        }
+    }
+
     /// Appends the canonical text form to `out`. A historical token given
     /// with [`TokenKind::MultiWriter`] (which the caller must not do) is
     /// written as its live form `{stream}`.
     pub fn write_text(&self, kind: TokenKind, out: &mut String) {
-        out.reserve(self.text_len_bound());
+        out.reserve(self.text_len(kind));
         self.write_text_reserved(kind, out);
     }
 
@@ -69,15 +101,9 @@ impl Token {
 
     /// The canonical text form as a new `String`.
     pub fn to_text(&self, kind: TokenKind) -> String {
-        let mut s = String::with_capacity(self.text_len_bound());
+        let mut s = String::with_capacity(self.text_len(kind));
         self.write_text_reserved(kind, &mut s);
         s
-    }
-
-    /// An upper bound of [`Token::text_len`] that is cheaper to compute:
-    /// 20 bytes per i64, 11 per i32, plus separators.
-    fn text_len_bound(&self) -> usize {
-        2 + 20 + 20 + self.instances.len().saturating_mul(1 + 11 + 1 + 20)
     }
 
     /// The exact length in bytes of the canonical text form (what

@@ -205,29 +205,22 @@ class _Token:
     # ------------------------------------------------------------ orders
 
     def is_before_or_eq(self: T, other: T) -> bool:
-        """The causal order: every component of ``self`` is at most
-        ``other``'s (a live token counts as topological +infinity)."""
+        """Synapse's causal order: every writer's position in ``self`` is at
+        most its position in ``other``; a historical token counts as
+        ``s{stream}`` (its topological part is ignored, as Synapse's is)."""
         self._same_type(other)
-        a_topo, b_topo = self._topological, other._topological
-        if a_topo is not None and b_topo is not None:
-            return a_topo <= b_topo and self._stream <= other._stream
-        if a_topo is not None:
-            return self._stream <= other._stream
-        if b_topo is not None:
-            return False
         if self._stream > other._stream:
             return False
         theirs = dict(other._instances)
         return all(pos <= theirs.get(iid, other._stream) for iid, pos in self._instances)
 
     def _sort_key(self):
-        # The extension's total order (docs/tokens.md): historical tokens
-        # first by (topological, stream); then live ones by (stream, total
-        # excess over the minimum, the instance list). It extends the causal
-        # order: is_before_or_eq(a, b) implies a <= b.
-        if self._topological is not None:
-            return (0, self._topological, self._stream, 0, ())
-        return (1, 0, self._stream, _excess(self), self._instances)
+        # The extension's total order (docs/tokens.md): by stream, total
+        # excess over the minimum, the instance list, then the topological
+        # part with live tokens last. It extends the causal order: if
+        # is_before_or_eq(a, b) and not is_before_or_eq(b, a), then a < b.
+        topological = (0, self._topological) if self._topological is not None else (1, 0)
+        return (self._stream, _excess(self), self._instances, topological)
 
     def _same_type(self, other: object) -> None:
         if type(other) is not type(self):
