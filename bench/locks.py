@@ -23,13 +23,21 @@ import time
 import psycopg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model  # noqa: E402
 from run import READER_SHAPES, WRITER_SHAPES, Bench  # noqa: E402
+
+# A reader's hold of the lock when readers took it shared (before reads
+# became lock-free copies): measured with that build, 8 frontier() readers
+# and 8 writers, max_connections 100 (docs/performance.md). Only the model
+# of the shared-lock read path uses it.
+SHARED_VIEW_NS = 650
 
 
 def stats(conninfo):
     with psycopg.connect(**conninfo, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT section, mode, acquisitions, wait_ns, hold_ns FROM streampos.lock_stats()"
+            "SELECT section, mode, acquisitions, wait_ns, hold_ns, fallbacks, slots_visited "
+            "FROM streampos.lock_stats()"
         ).fetchall()
     return {r[0]: r for r in rows}
 
@@ -47,9 +55,11 @@ def measure(bench, label, run):
         if n == 0:
             continue
         wait, hold = a[3] - b[3], a[4] - b[4]
-        rows.append((label, section, a[1], n / wall, wait / n, hold / n, hold / (wall * 1e9)))
+        fallbacks, slots = a[5] - b[5], a[6] - b[6]
+        rows.append((label, section, a[1], n / wall, wait / n, hold / n, hold / (wall * 1e9),
+                     fallbacks / wall, slots / n))
     print(f"  {label}: {tps}", flush=True)
-    return rows, tps
+    return rows, tps, wall
 
 
 def main():
@@ -61,6 +71,7 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--pgbench", default="/usr/lib/postgresql/15/bin/pgbench")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--model", action="store_true", help="append the projection of bench/model.py")
     args = ap.parse_args()
     args.rounds = 1
     bench = Bench(args)
@@ -81,20 +92,46 @@ def main():
         ))
     rows = []
     results = []
+    mixed = None
     for label, run in cells:
         bench.reset()
-        r, tps = measure(bench, label, run)
+        r, tps, wall = measure(bench, label, run)
         rows += r
         results.append((label, tps))
+        if mixed is None and "frontier()" in label:
+            mixed = {row[1]: row for row in r}
     with open(args.out, "a") as out:
         out.write(f"### Registry lock sections ({args.label})\n\n")
         for label, tps in results:
             out.write(f"- {label}: {tps if isinstance(tps, str) else f'{tps:.0f}'} TPS\n")
-        out.write("\n| cell | section | mode | per second | mean wait ns | mean hold ns | lock held (share of wall time) |\n")
-        out.write("|---|---|---|---|---|---|---|\n")
-        for label, section, mode, rate, wait, hold, share in rows:
-            out.write(f"| {label} | {section} | {mode} | {rate:.0f} | {wait:.0f} | {hold:.0f} | {share:.3f} |\n")
+        out.write("\nLock-free copies: \"mean hold\" is the copy's time (tries included), \"mean wait\" the time "
+                  "spent by copies that gave up before taking the lock shared (counted under view).\n")
+        out.write("\n| cell | section | mode | per second | mean wait ns | mean hold ns | lock held (share of wall time) "
+                  "| fallbacks per second | active slots per copy |\n")
+        out.write("|---|---|---|---|---|---|---|---|---|\n")
+        for label, section, mode, rate, wait, hold, share, fallbacks, slots in rows:
+            extra = f"{fallbacks:.1f} | {slots:.2f}" if mode == "none" else " | "
+            out.write(f"| {label} | {section} | {mode} | {rate:.0f} | {wait:.0f} | {hold:.0f} | {share:.3f} | {extra} |\n")
         out.write("\n")
+        if mixed and "view (lock-free copy)" in mixed and args.model:
+            t = dict(
+                begin=mixed["begin_allocation"][5],
+                finish=mixed["finish_allocation"][5],
+                end=mixed["end_transaction"][5],
+                copy=mixed["view (lock-free copy)"][5],
+                slots=mixed["view (lock-free copy)"][8],
+                view=SHARED_VIEW_NS,
+            )
+            writers = mixed["begin_allocation"][3]
+            readers = mixed["view (lock-free copy)"][3]
+            t["alloc_measured"] = writers
+            out.write(f"#### Projection (bench/model.py, docs/performance.md), from the cell \"8 frontier() readers + 8 writers\"\n\n")
+            out.write(f"Inputs: begin {t['begin']:.0f} ns, finish {t['finish']:.0f} ns, commit {t['end']:.0f} ns, "
+                      f"lock-free copy {t['copy']:.0f} ns visiting {t['slots']:.2f} active slots, "
+                      f"shared-lock view {t['view']:.0f} ns; per core {writers / 2:.0f} allocations/s and "
+                      f"{readers / 2:.0f} reads/s (2 cores, pgbench on the same cores).\n\n")
+            out.write(model.table(t, writers / 2, readers / 2))
+            out.write("\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 //! `lock_stats()`: the registry lock's statistics, in bench builds only
 //! (cargo feature `lock-stats`; see `registry/lock_stats.rs`). For the
-//! lock-free row, `wait_ns` is the time spent before giving up for the lock
-//! and `fallbacks` how often that happened.
+//! lock-free row, `wait_ns` is the time spent before giving up for the lock,
+//! `fallbacks` how often that happened, and `slots_visited` the active
+//! backend slots the completed copies scanned.
 
 use pgrx::prelude::*;
 
@@ -16,6 +17,7 @@ fn lock_stats() -> TableIterator<
         name!(wait_ns, i64),
         name!(hold_ns, i64),
         name!(fallbacks, i64),
+        name!(slots_visited, i64),
     ),
 > {
     let rows: Vec<_> = crate::registry::lock_stats::totals()
@@ -28,6 +30,7 @@ fn lock_stats() -> TableIterator<
                 t.wait_ns as i64,
                 t.hold_ns as i64,
                 t.fallbacks as i64,
+                t.slots_visited as i64,
             )
         })
         .collect();

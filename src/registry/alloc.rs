@@ -107,8 +107,10 @@ pub fn begin_allocation(
     header.role = role;
     // SAFETY: backend-local flag.
     unsafe { HOLDING = true };
-    header.used += 1;
-    if header.used == 1 {
+    // Counted once written: lock-free readers copy entries below `used`
+    // (this section does not move the seqlock counter).
+    shmem::publish(&mut header.used, i as u32 + 1);
+    if i == 0 {
         locked.activate_slot(slot_index);
     }
     Ok(Ok(Allocation {
@@ -148,15 +150,20 @@ pub fn finish_allocation(
     let slot_index = shmem::my_slot_index()?;
     let locked = Locked::acquire(Section::FinishAllocation)?;
     let a = &mut locked.slot(slot_index)[allocation.entry];
-    if a.pending {
-        a.min_id = first;
-        a.pending = false;
-    }
+    // In this order, for lock-free readers (this section does not move the
+    // seqlock counter): the WAL position and first ID, then `pending`, then
+    // the highest allocated ID. A reader that sees the new highest ID sees
+    // the rest; one that does not, stops below these IDs.
+    a.lsn = a.lsn.max(lsn);
     a.max_id = a.max_id.max(last);
     a.count += ids.len() as i64;
-    a.lsn = a.lsn.max(lsn);
+    if a.pending {
+        a.min_id = first;
+        shmem::publish(&mut a.pending, false);
+    }
     let s = &mut locked.streams()[stream];
-    s.max_allocated = s.max_allocated.max(last);
+    let highest = s.max_allocated.max(last);
+    shmem::publish(&mut s.max_allocated, highest);
     Ok(())
 }
 

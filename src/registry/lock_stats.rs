@@ -11,7 +11,8 @@
 //!
 //! One more row counts readers' lock-free copies (`visibility::view`): how
 //! many completed without the lock, the time they took (tries included),
-//! and how many gave up and took the lock shared (counted in `view` too).
+//! how many gave up and took the lock shared (counted in `view` too), and
+//! how many active backend slots the completed copies visited.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -20,8 +21,8 @@ use pgrx::pg_sys;
 
 use super::shmem::{Header, Section, HEADER};
 
-/// acquisitions, wait ns, hold ns, fallbacks
-const FIELDS: usize = 4;
+/// acquisitions, wait ns, hold ns, fallbacks, slots visited
+const FIELDS: usize = 5;
 /// The rows: one per section, then the lock-free copies.
 const ROWS: usize = Section::ALL.len() + 1;
 const LOCK_FREE_ROW: usize = Section::ALL.len();
@@ -111,7 +112,7 @@ pub(super) unsafe fn record(header: *mut Header, offset: usize, t: &Timing, held
 
 /// Count one lock-free copy that started at `started`: completed, or given
 /// up for the lock.
-pub(super) fn record_lock_free(started: Instant, completed: bool) {
+pub(super) fn record_lock_free(started: Instant, completed: bool, slots_visited: usize) {
     let ns = started.elapsed().as_nanos() as u64;
     // SAFETY: HEADER is set once per process at start-up; the layout has
     // the statistics when the feature is on.
@@ -123,6 +124,7 @@ pub(super) fn record_lock_free(started: Instant, completed: bool) {
         if completed {
             (*c).fetch_add(1, Ordering::Relaxed);
             (*c.add(2)).fetch_add(ns, Ordering::Relaxed);
+            (*c.add(4)).fetch_add(slots_visited as u64, Ordering::Relaxed);
         } else {
             (*c.add(1)).fetch_add(ns, Ordering::Relaxed);
             (*c.add(3)).fetch_add(1, Ordering::Relaxed);
@@ -139,6 +141,7 @@ pub struct SectionTotals {
     pub wait_ns: u64,
     pub hold_ns: u64,
     pub fallbacks: u64,
+    pub slots_visited: u64,
 }
 
 pub fn totals() -> Vec<SectionTotals> {
@@ -160,6 +163,7 @@ pub fn totals() -> Vec<SectionTotals> {
                 wait_ns: 0,
                 hold_ns: 0,
                 fallbacks: 0,
+                slots_visited: 0,
             };
             for slot in 0..=h.n_slots as usize {
                 // SAFETY: the registry is initialised with the statistics
@@ -170,6 +174,7 @@ pub fn totals() -> Vec<SectionTotals> {
                     t.wait_ns += (*c.add(1)).load(Ordering::Relaxed);
                     t.hold_ns += (*c.add(2)).load(Ordering::Relaxed);
                     t.fallbacks += (*c.add(3)).load(Ordering::Relaxed);
+                    t.slots_visited += (*c.add(4)).load(Ordering::Relaxed);
                 }
             }
             t

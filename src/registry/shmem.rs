@@ -54,8 +54,9 @@ pub(super) struct Header {
     /// synchronous standbys are configured later.
     pub durable_high_water: AtomicU64,
     /// A sequence counter (seqlock) that lets readers copy what they need
-    /// without the lock: odd while an exclusive section runs, and moved by
-    /// every one. See `Raw`.
+    /// without the lock: odd while an exclusive section that moves or
+    /// removes what readers copy runs, and moved by every such section. See
+    /// `Raw` and `Section::moves_entries`.
     pub changes: AtomicU64,
     pub catalog: CatalogSync,
     pub workers: [WorkerSlot; MAX_DATABASES],
@@ -460,6 +461,20 @@ impl Section {
         }
     }
 
+    /// Does the section move or remove what lock-free readers copy (so
+    /// that a copy it overlaps must be thrown away)? The two allocation
+    /// sections only add: `begin_allocation` publishes a new entry (written
+    /// whole before `used` counts it, `publish`), `finish_allocation`
+    /// completes its own entry (its WAL position and first ID before
+    /// `pending` turns false) and raises the highest allocated ID. A reader
+    /// reads the highest allocated ID first: an entry published after that
+    /// is for IDs above it, which the reader's answer never reaches (the
+    /// lower bound's rule, docs/design.md), and one published before is in
+    /// its copy, pending or complete.
+    pub fn moves_entries(self) -> bool {
+        self.exclusive() && !matches!(self, Section::BeginAllocation | Section::FinishAllocation)
+    }
+
     pub fn exclusive(self) -> bool {
         matches!(
             self,
@@ -497,7 +512,8 @@ unsafe fn started_from_wal() -> bool {
 /// (PostgreSQL also releases LWLocks on abort).
 pub(super) struct Locked {
     header: *mut Header,
-    exclusive: bool,
+    /// Moves the seqlock counter (`Section::moves_entries`).
+    moves_entries: bool,
     #[cfg(feature = "lock-stats")]
     timing: super::lock_stats::Timing,
 }
@@ -533,8 +549,8 @@ impl Locked {
         // points into the named tranche; LWLockAcquire raises no ERROR here
         // (see `ffi::unguarded`).
         unsafe { crate::ffi::unguarded::LWLockAcquire((*header).lock, mode) };
-        let exclusive = section.exclusive();
-        if exclusive {
+        let moves_entries = section.moves_entries();
+        if moves_entries {
             // SAFETY: as above; only the holder of the exclusive lock writes
             // the counter.
             let changes = unsafe { &(*header).changes };
@@ -544,7 +560,7 @@ impl Locked {
         }
         Locked {
             header,
-            exclusive,
+            moves_entries,
             #[cfg(feature = "lock-stats")]
             timing: super::lock_stats::Timing::acquired(section, asked),
         }
@@ -594,7 +610,8 @@ impl Locked {
         }
     }
 
-    /// Add slot `index` to the active list (its first entry was created).
+    /// Add slot `index` to the active list (its first entry was created):
+    /// appended, and counted only once written, for lock-free readers.
     pub fn activate_slot(&self, index: usize) {
         let h = self.h();
         let at = h.n_active as usize;
@@ -602,7 +619,7 @@ impl Locked {
         // inside the active list.
         unsafe { *(self.base().add(self.layout().active) as *mut u32).add(at) = index as u32 };
         self.slot_headers()[index].active_at = at as u32;
-        h.n_active += 1;
+        publish(&mut h.n_active, at as u32 + 1);
     }
 
     /// Remove slot `index` from the active list (its entries are gone):
@@ -655,7 +672,7 @@ impl Locked {
 
 impl Drop for Locked {
     fn drop(&mut self) {
-        if self.exclusive {
+        if self.moves_entries {
             let changes = &self.h().changes;
             // Even again, after everything this section wrote.
             changes.store(changes.load(Ordering::Relaxed) + 1, Ordering::Release);
@@ -671,6 +688,15 @@ impl Drop for Locked {
             super::lock_stats::record(self.header, self.layout().lock_stats, &self.timing, held)
         };
     }
+}
+
+/// Make `value` visible in `field` only after everything written before:
+/// how exclusive sections that do not move the seqlock counter publish what
+/// lock-free readers may copy (see `Section::moves_entries`).
+pub(super) fn publish<T: Copy>(field: &mut T, value: T) {
+    fence(Ordering::Release);
+    // SAFETY: a valid, exclusive reference.
+    unsafe { ptr::write_volatile(field, value) };
 }
 
 /// Read-only access to the registry without its lock, for readers (see
@@ -775,7 +801,8 @@ impl Raw {
         unsafe { (*self.h()).offsets }
     }
 
-    /// State `index` (< n_streams, checked by the caller).
+    /// State `index` (< n_streams, checked by the caller). Read before the
+    /// slots (see `Section::moves_entries`).
     pub fn stream(&self, index: usize) -> StreamCopy {
         // SAFETY: `index` is below n_streams, so the pointer is inside the
         // stream states; the fields are integers and bools.
@@ -819,13 +846,17 @@ impl Raw {
         // the active list and slot headers hold n_slots entries each.
         unsafe {
             let base = self.header as *const u8;
+            // What was published before the counts (`publish`) is read
+            // after them.
             let n = (Self::read(&raw const (*self.h()).n_active) as usize).min(n_slots);
+            fence(Ordering::Acquire);
             let list = base.add(l.active) as *const u32;
             let headers = base.add(l.slot_headers) as *const SlotHeader;
             for k in 0..n {
                 let slot = Self::read(list.add(k)) as usize;
                 if slot < n_slots {
                     let used = Self::read(&raw const (*headers.add(slot)).used) as usize;
+                    fence(Ordering::Acquire);
                     f(slot, used.min(per_slot));
                 }
             }
@@ -840,12 +871,16 @@ impl Raw {
         unsafe {
             let a = ((self.header as *const u8).add(self.offsets().entries) as *const Active)
                 .add(slot * per_slot + k);
+            // `pending` first: once false, the first ID and WAL position
+            // written before it are read after it (`finish_allocation`).
+            let pending = Self::read(&raw const (*a).pending);
+            fence(Ordering::Acquire);
             EntryCopy {
                 stream: Self::read(&raw const (*a).stream),
                 instance: Self::read(&raw const (*a).instance),
                 min_id: Self::read(&raw const (*a).min_id),
                 xid: Self::read(&raw const (*a).xid),
-                pending: Self::read(&raw const (*a).pending),
+                pending,
                 lsn: Self::read(&raw const (*a).lsn),
             }
         }

@@ -280,11 +280,15 @@ struct Copied {
     ring_entries: Vec<Finished>,
     /// (lowest ID, highest stamp, highest LSN) of a valid summary.
     summary: Option<(i64, TransactionId, u64)>,
+    /// Active backend slots scanned (lock statistics).
+    #[cfg(feature = "lock-stats")]
+    slots_visited: usize,
 }
 
 /// Exclusive sections seen by a lock-free reader before it takes the lock
-/// shared instead (so that a stream of writers cannot starve it).
-const LOCK_FREE_TRIES: usize = 4;
+/// shared instead (so that a stream of writers cannot starve it). A try
+/// costs the reader a copy; falling back costs writers a wait.
+const LOCK_FREE_TRIES: usize = 8;
 /// How long a reader spins for an exclusive section to end (they last well
 /// under a microsecond) before it takes the lock, which sleeps if the
 /// writer was preempted.
@@ -316,7 +320,15 @@ fn copy_stream(
     out.max_allocated = s.max_allocated;
     out.n_seen = s.n_seen;
     let stream_i32 = stream as i32;
+    #[cfg(feature = "lock-stats")]
+    {
+        out.slots_visited = 0;
+    }
     raw.for_each_active(|slot, used| {
+        #[cfg(feature = "lock-stats")]
+        {
+            out.slots_visited += 1;
+        }
         for k in 0..used {
             let a = raw.entry(slot, k);
             if a.stream == stream_i32 {
@@ -408,7 +420,7 @@ pub fn view(
         }
     }
     #[cfg(feature = "lock-stats")]
-    super::lock_stats::record_lock_free(started, result.is_some());
+    super::lock_stats::record_lock_free(started, result.is_some(), copied.slots_visited);
     let result = match result {
         Some(r) => r,
         None => {
