@@ -1,0 +1,184 @@
+"""Second round of attacks, on the fixes of the first: the catalog cache
+protocol, writers against drop_stream, the per-ID allocation check, the
+lost-history refusal after a start from WAL, the position worker and
+snapshots from before a promotion.
+
+As in test_attacks.py, each test is one attack. A test whose docstring says
+BREAKS fails on the code it was written against (the docstring says what
+breaks and why); a test that says WITHSTANDS passes and stays as a
+regression test. Tests that need a server of their own (a crash, a standby)
+use cluster.py.
+"""
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from cluster import Clusters
+from failover_measure import setup_stream, token_positions, update_rows
+from support import (
+    create_stream,
+    expect_error,
+    one,
+    rows,
+    stored_positions,
+    wait_until,
+)
+
+
+def commit_ids(conn, stream, writer, n=1):
+    """n IDs allocated and committed in one transaction (with a WAL record of
+    its own, so the commit flushes)."""
+    with conn.transaction():
+        ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
+        conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-attack', '')")
+    return ids
+
+
+def frontier(conn, stream):
+    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
+
+
+def own_sequence(db, connect, stream):
+    """A sequence of the test's own (adopt_stream leaves it in place when the
+    stream is dropped), dropped after the test."""
+    seq = f"{stream}_own"
+    db.execute(f'CREATE SEQUENCE "{seq}"')
+
+    def drop():
+        with psycopg.connect(db.info.dsn, autocommit=True) as c:
+            c.execute(f'DROP SEQUENCE IF EXISTS "{seq}"')
+
+    connect.on_teardown(drop)
+    return f'"{seq}"'
+
+
+# =====================================================================
+# Writers against drop_stream
+# =====================================================================
+
+
+def waiting_for_lock(db, conn):
+    pid = conn.info.backend_pid
+    return one(db, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+               (pid,)) == 1
+
+
+def test_an_allocation_rolled_back_to_a_savepoint_still_blocks_drop_stream(db, connect, stream, pool):
+    """WITHSTANDS: the allocation lock of a rolled-back savepoint. The ROW
+    EXCLUSIVE lock that allocation takes itself (sequence.rs,
+    lock_for_allocation) belongs to the subtransaction and goes with
+    ROLLBACK TO SAVEPOINT, while the registry entry, under the stream's
+    key, lives until the top-level transaction ends (and the ID is the
+    caller's to use: nextval is not transactional). Had that been the only
+    lock, drop_stream + adopt_stream of the same sequence would have given
+    it a new key with no holder, and frontier() would have passed the held
+    ID. nextval's own lock (lock_and_open_sequence) is owned by the
+    top-level transaction, so drop_stream still waits: the claim holds,
+    through PostgreSQL rather than through the extension's lock."""
+    seq = own_sequence(db, connect, stream)
+    db.execute(f"SELECT streampos.adopt_stream(%s, '{seq}')", (stream,))
+    commit_ids(db, stream, "w", 3)
+    table = f'"{stream}_t"'
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    connect.on_teardown(lambda: psycopg.connect(db.info.dsn, autocommit=True).execute(
+        f"DROP TABLE IF EXISTS {table}"))
+
+    writer = connect()
+    writer.execute("BEGIN")
+    writer.execute("SAVEPOINT s")
+    held = one(writer, "SELECT streampos.next_id(%s, 'w')", (stream,))
+    assert held == 4
+    writer.execute("ROLLBACK TO SAVEPOINT s")
+    assert frontier(db, stream) == 3
+
+    dropper = connect()
+
+    def drop_and_adopt():
+        with dropper.transaction():
+            dropper.execute("SELECT streampos.drop_stream(%s)", (stream,))
+            dropper.execute(f"SELECT streampos.adopt_stream(%s, '{seq}')", (stream,))
+
+    done = pool.submit(drop_and_adopt)
+    time.sleep(0.5)
+    blocked = not done.done() and waiting_for_lock(db, dropper)
+    seen = frontier(db, stream)
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    writer.execute("COMMIT")
+    done.result(timeout=10)
+    assert blocked, "drop_stream did not wait for a transaction holding an ID of the stream"
+    assert seen < held
+    assert frontier(db, stream) >= held
+
+
+@pytest.mark.parametrize("how", ["lock_timeout", "deadlock"])
+def test_a_failed_wait_for_the_sequence_lock_is_an_error_not_a_crash(how):
+    """BREAKS "never panic" and takes the whole server down. lock_for_allocation
+    and lock_against_allocation (sequence.rs, new in the last round) call
+    pg_sys::LockRelationOid inside pg_guard_ffi_boundary; pgrx already wraps
+    every pg_sys function in that boundary, so an ERROR raised while the
+    lock is waited for (lock_timeout, statement_timeout, a query cancel, a
+    deadlock) becomes a Rust panic inside the outer boundary's closure, which
+    pgrx documents as undefined behaviour: the backend prints "thread caused
+    non-unwinding panic. aborting." and dies of SIGABRT, and the postmaster
+    restarts every session of the cluster (a crash restart). A writer with
+    a lock_timeout that meets a drop_stream (or an ALTER SEQUENCE) in
+    progress is enough; so is any deadlock between two drop_streams and
+    allocations. with_page (relation_open inside the same wrapper) has the
+    same defect for a relation_open that fails (a lock wait cancelled, a
+    sequence dropped concurrently).
+    Fix: call pg_sys::LockRelationOid (and relation_open, ReadBuffer, …)
+    directly: they are already guarded; keep pg_guard_ffi_boundary only for
+    the hand-declared functions of ffi.rs (nextval_internal)."""
+    with Clusters() as clusters:
+        node = clusters.node()
+        witness = node.connect()  # an idle session: a crash restart ends it
+        a = node.connect()
+        b = node.connect()
+        a.execute("SELECT streampos.create_stream('s1')")
+        a.execute("SELECT streampos.create_stream('s2')")
+        failure = []
+        if how == "lock_timeout":
+            a.execute("BEGIN")
+            a.execute("SELECT streampos.drop_stream('s1')")
+            b.execute("SET lock_timeout = '300ms'")
+            try:
+                b.execute("SELECT streampos.next_id('s1', 'w')")
+            except psycopg.Error as e:
+                failure.append(e)
+        else:
+            a.execute("BEGIN")
+            a.execute("SELECT streampos.next_id('s1', 'wa')")
+            b.execute("BEGIN")
+            b.execute("SELECT streampos.next_id('s2', 'wb')")
+            b.execute("SET LOCAL deadlock_timeout = '100ms'")
+
+            def b_drops():
+                try:
+                    b.execute("SELECT streampos.drop_stream('s1')")
+                except psycopg.Error as e:
+                    failure.append(e)
+
+            thread = threading.Thread(target=b_drops)
+            thread.start()
+            time.sleep(0.3)
+            try:
+                a.execute("SELECT streampos.drop_stream('s2')")
+            except psycopg.Error as e:
+                failure.append(e)
+            thread.join(timeout=30)
+        assert failure, "expected the wait to fail"
+        codes = [e.diag.sqlstate for e in failure]
+        try:
+            witness.execute("SELECT 1")
+            crashed = False
+        except psycopg.OperationalError:
+            crashed = True
+            wait_until(node._accepts, timeout=60, message="the server to come back")
+        aborts = [line for line in node.log_tail(200).splitlines() if "non-unwinding panic" in line
+                  or "terminated by signal" in line]
+        assert not crashed and ("55P03" in codes or "40P01" in codes), (
+            f"the failed lock wait ({codes}) crash-restarted the server: {aborts}"
+        )
