@@ -182,3 +182,100 @@ def test_a_failed_wait_for_the_sequence_lock_is_an_error_not_a_crash(how):
         assert not crashed and ("55P03" in codes or "40P01" in codes), (
             f"the failed lock wait ({codes}) crash-restarted the server: {aborts}"
         )
+
+
+# =====================================================================
+# The catalog cache
+# =====================================================================
+
+
+def test_an_instance_created_by_a_prepared_transaction_that_rolls_back_is_forgotten(db, connect, stream):
+    """BREAKS "instance ids never change once committed; their cache is
+    dropped after an abort". A transaction that only creates an instance
+    (streampos.instance_id) may be prepared: PRE_PREPARE refuses only
+    transactions that hold IDs or changed the stream catalog. The backend
+    cached the new id (catalog.rs, instance_id) and its transaction ended
+    with PREPARE, which runs neither the commit nor the abort callback;
+    ROLLBACK PREPARED, from any session, removes the row. The name is
+    created again elsewhere with another id, but the preparing backend keeps
+    its cached ghost id for good: its allocations register under an id that
+    names no instance, and the token a follower gets lists that id
+    (instance_name() of it is 42704; Synapse cannot map it to a writer).
+    Fix: clear the instance cache at XACT_EVENT_PREPARE (set
+    CLEAR_ON_NEXT_USE), or refuse PREPARE after creating an instance."""
+    create_stream(db, stream)
+    name = f"{stream}_x"
+    preparer = connect()
+    preparer.execute("BEGIN")
+    ghost = one(preparer, "SELECT streampos.instance_id(%s)", (name,))
+    gid = f"{stream}_gid"
+    try:
+        preparer.execute(f"PREPARE TRANSACTION '{gid}'")
+    except psycopg.Error as e:
+        preparer.execute("ROLLBACK")
+        assert e.diag.sqlstate == "0A000", e  # refused: the claim holds
+        return
+    db.execute(f"ROLLBACK PREPARED '{gid}'")
+    real = one(db, "SELECT streampos.instance_id(%s)", (name,))
+    assert real != ghost
+
+    # A writer that holds an ID below, so that the preparer's writer is
+    # ahead of the frontier and listed in the token.
+    holder = connect()
+    holder.execute("BEGIN")
+    one(holder, "SELECT streampos.next_id(%s, 'holder')", (stream,))
+    preparer.execute("BEGIN")
+    one(preparer, "SELECT streampos.next_id(%s, %s)", (stream, name))
+    preparer.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'x', '')")
+    preparer.execute("COMMIT")
+    token = one(db, "SELECT streampos.current_token(%s)::text", (stream,))
+    holder.execute("ROLLBACK")
+    assert f"~{ghost}." not in token, (
+        f"the token {token} lists instance id {ghost}, rolled back with its prepared "
+        f"transaction; {name} is instance {real}"
+    )
+
+
+def test_a_cursor_from_before_promotion_keeps_its_writers(db):
+    """BREAKS "a reader reads the stream's row as its snapshot sees it" (a
+    cursor keeps its stream and writers on every FETCH) across a promotion.
+    The cache test (catalog.rs, cache_generation) asks a snapshot to see
+    the last 16 catalog changers the commit callbacks recorded, and the
+    evicted one to precede its xmin; a standby records nothing (replay runs
+    no callback) and starts with an empty list and evicted = 0. After
+    promotion a new statement caches the stream's row as it is now; the
+    cursor's snapshot, taken during recovery before set_writers was
+    replayed, passes the test (nothing to check) and gets that row: its
+    writer list changes from one FETCH to the next.
+    Fix: a snapshot taken during recovery never uses the cache; or, at the
+    end of recovery, set `evicted` to the next xid, so that only snapshots
+    taken after the promotion pass."""
+    with Clusters() as clusters:
+        pair = clusters.pair()
+        primary, standby = pair
+        with primary.connect() as p:
+            p.execute("SELECT streampos.create_stream('s', writers => ARRAY['a', 'b'])")
+            p.execute("SELECT streampos.next_id('s', 'a')")
+            p.execute("SELECT pg_sleep(0.5)")  # the worker stores the positions
+        pair.caught_up()
+        reader = standby.connect()
+        reader.execute("BEGIN")  # READ COMMITTED: each statement a new snapshot
+        reader.execute(
+            "DECLARE c CURSOR FOR SELECT streampos.writer_position('s', 'b') FROM generate_series(1, 3)"
+        )
+        first = reader.execute("FETCH 1 FROM c").fetchall()
+        with primary.connect() as p:
+            p.execute("SELECT streampos.set_writers('s', ARRAY['a'])")
+        pair.caught_up()
+        pair.failover()
+        now = one(reader, "SELECT string_agg(w.instance_name, ',') FROM streampos.writer_positions('s') w")
+        try:
+            second = reader.execute("FETCH 1 FROM c").fetchall()
+        except psycopg.Error as e:
+            second = f"ERROR {e.diag.sqlstate}: {e.diag.message_primary}"
+        reader.execute("ROLLBACK")
+        assert first == [(1,)] and now == "a"
+        assert second == first, (
+            f"one cursor, one snapshot from before the promotion (writers a and b): "
+            f"writer_position(s, b) {first}, then {second}"
+        )
