@@ -341,3 +341,100 @@ def test_a_caught_up_follower_is_not_told_to_resync_after_a_crash_restart(tail):
                 pytest.fail(f"a follower at {token}, every commit of which survived the crash, "
                             f"is told to resynchronise: {e.diag.sqlstate} {e.diag.message_primary}")
             assert got["token"] is not None
+
+
+def test_a_follower_holding_lost_rows_below_a_surviving_row_is_told_to_resync():
+    """BREAKS "a follower that holds rows from transactions this server never
+    had gets 72000" after an asynchronous failover, when writers commit out
+    of ID order. Writer a holds 21..24 while writer b commits 25; the
+    standby receives b's commit, then replication stops; a commits, and a
+    follower reads rows 21..25 and token 25 from the old primary. The new
+    primary has rows 1..20 and 25. refuse_lost_history (api/follow.rs)
+    compares the token's positions with the highest row at or below the
+    replayed ceiling: row 25 exists, so the follower carries on from 25 and
+    keeps rows 21..24 that this server never had, and never learns it.
+    Fix: compare with the rows the server has between the follower's
+    positions and its own frontier at the start (e.g. refuse when any ID
+    at or below the token's positions and above the stored positions the
+    standby replayed is missing from the stream's tables and was not
+    aborted), or store, with each commit, the IDs it finished so that the
+    new primary knows which of them it has."""
+    with Clusters() as clusters:
+        pair = clusters.pair()
+        primary, standby = pair
+        setup_stream(primary, writers=["a", "b"])
+        with primary.connect() as p:
+            for _ in range(20):
+                p.execute("INSERT INTO ev SELECT streampos.next_id('ev', 'a'), 'a', 'r'")
+            p.execute("SELECT pg_sleep(0.5)")  # the worker stores the positions
+        holder = primary.connect()
+        holder.execute("BEGIN")
+        holder.execute("INSERT INTO ev SELECT unnest(streampos.next_ids('ev', 'a', 4)), 'a', 'lost'")
+        with primary.connect() as p:
+            p.execute("INSERT INTO ev SELECT streampos.next_id('ev', 'b'), 'b', 'kept'")
+            assert one(p, "SELECT max(id) FROM ev") == 25
+        pair.caught_up()
+        pair.disconnect()
+        holder.execute("COMMIT")
+        with primary.connect() as p:
+            answer = p.execute("SELECT streampos.updates('ev', '20', timeout_ms => 1000)").fetchone()[0]
+        assert [r[0] for r in update_rows(answer)] == [21, 22, 23, 24, 25]
+        token = answer["token"]
+        assert token_positions(token) == (25, 25)
+        pair.failover()
+        with standby.connect() as c:
+            assert [r[0] for r in rows(c, "SELECT id FROM ev WHERE id > 20 ORDER BY id")] == [25]
+            try:
+                got = c.execute("SELECT streampos.updates('ev', %s, timeout_ms => 0)", (token,)).fetchone()[0]
+            except psycopg.Error as e:
+                assert e.diag.sqlstate == "72000", e
+                return
+            pytest.fail(f"a follower holding rows 21..24, which this server never had, "
+                        f"carries on from {token}: {got['token']}")
+
+
+# =====================================================================
+# The per-ID allocation check
+# =====================================================================
+
+
+def test_a_sequence_moved_back_during_a_paused_allocation_is_caught(db, connect, stream, pool):
+    """BREAKS "a sequence moved back by setval() is detected whichever call
+    it hits" and "IDs are never handed out twice" (README, adopt_stream),
+    though no reader passes the ID. finish_allocation (registry/alloc.rs)
+    checks each ID against the stream's highest allocated ID read when the
+    call *began* (the published lower bound). Writer b publishes its bound
+    (4) and is delayed before nextval (the test hook stands in for a slow
+    backend); writer a allocates 4 and commits; the sequence's owner runs
+    setval(seq, 3); b's nextval returns 4, which is not below b's bound,
+    and b gets ID 4 too: two committed rows with ID 4 from two writers.
+    Readers stay safe (b's bound held the frontier at 3), but the sequence
+    was moved back under an allocation and nothing noticed; check_stream
+    afterwards sees the sequence at 4 and finds nothing wrong.
+    Fix: under the lock in finish_allocation, also refuse an ID at or below
+    the stream's highest allocated ID *now* unless it lies within the range
+    between the call's bound and the IDs other calls registered since (or
+    simply: refuse an ID that another entry, active or in the finished ring
+    since the bound was published, already registered)."""
+    seq = create_stream(db, stream)
+    commit_ids(db, stream, "a", 3)
+    slow = connect()
+    slow.execute("SET streampos.test_allocation_delay_ms = 1500")
+
+    def slow_allocation():
+        with slow.transaction():
+            got = one(slow, "SELECT streampos.next_id(%s, 'b')", (stream,))
+            slow.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'b', '')")
+        return got
+
+    b = pool.submit(slow_allocation)
+    wait_until(lambda: len(rows(db, "SELECT 1 FROM streampos.in_flight(%s)", (stream,))) == 1,
+               timeout=5, message="b to publish its bound")
+    a = commit_ids(db, stream, "a", 1)
+    db.execute(f"SELECT setval('{seq}', 3)")
+    try:
+        got_b = b.result(timeout=10)
+    except psycopg.Error as e:
+        assert e.diag.sqlstate == "55000", e  # caught: the claim holds
+        return
+    assert got_b != a[0], f"writers a and b were both handed ID {got_b}"
