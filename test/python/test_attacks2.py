@@ -23,7 +23,6 @@ from support import (
     expect_error,
     one,
     rows,
-    stored_positions,
     wait_until,
 )
 
@@ -438,3 +437,65 @@ def test_a_sequence_moved_back_during_a_paused_allocation_is_caught(db, connect,
         assert e.diag.sqlstate == "55000", e  # caught: the claim holds
         return
     assert got_b != a[0], f"writers a and b were both handed ID {got_b}"
+
+
+def test_a_cursor_keeps_its_writers_after_more_than_16_catalog_changes(db, connect, stream):
+    """WITHSTANDS: evicting the change a cursor's snapshot missed. The cache
+    remembers the xids of the last 16 catalog changers; a cursor opened
+    before set_writers, followed by 20 more catalog changes (so that
+    set_writers' xid is evicted), then a newer statement that caches the
+    new row: the cursor's snapshot does not see the 16 latest changers
+    either, so it still reads the catalog itself."""
+    create_stream(db, stream, writers=["a", "b"])
+    commit_ids(db, stream, "b", 2)
+    reader = connect()
+    reader.execute("BEGIN")
+    reader.execute(
+        "DECLARE c CURSOR FOR SELECT streampos.writer_position(%s, 'b') FROM generate_series(1, 3)",
+        (stream,),
+    )
+    first = reader.execute("FETCH 1 FROM c").fetchall()
+    db.execute("SELECT streampos.set_writers(%s, ARRAY['a'])", (stream,))
+    for i in range(20):
+        create_stream(db, f"{stream}_{i}")
+    assert one(reader, "SELECT count(*) FROM streampos.writer_positions(%s)", (stream,)) == 1
+    try:
+        second = reader.execute("FETCH 1 FROM c").fetchall()
+    except psycopg.Error as e:
+        second = f"ERROR {e.diag.sqlstate}: {e.diag.message_primary}"
+    reader.execute("ROLLBACK")
+    assert first == [(2,)]
+    assert second == first
+
+
+def test_a_catalog_change_that_fails_at_commit_leaves_the_cache_usable(db, connect, stream):
+    """WITHSTANDS: an abort after pre-commit. A SERIALIZABLE transaction
+    runs set_writers and then fails at COMMIT (40001, a write skew caught at
+    commit), after the pre-commit callback counted it in `committing`. The
+    abort callback uncounts it and moves the generation: the writer it
+    would have removed still allocates, from a backend whose cached row
+    predates the attempt, and a later set_writers still takes effect in
+    that backend."""
+    create_stream(db, stream, writers=["a", "b"])
+    table = f'"{stream}_skew"'
+    db.execute(f"CREATE TABLE {table} (k int)")
+    connect.on_teardown(lambda: psycopg.connect(db.info.dsn, autocommit=True).execute(
+        f"DROP TABLE IF EXISTS {table}"))
+    writer = connect()
+    commit_ids(writer, stream, "b", 1)  # caches the row
+    t1, t2 = connect(), connect()
+    t1.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+    t2.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+    t1.execute(f"SELECT count(*) FROM {table} WHERE k = 1")
+    t2.execute(f"SELECT count(*) FROM {table} WHERE k = 2")
+    t1.execute(f"INSERT INTO {table} VALUES (2)")
+    t2.execute(f"INSERT INTO {table} VALUES (1)")
+    t2.execute("SELECT streampos.set_writers(%s, ARRAY['a'])", (stream,))
+    t1.execute("COMMIT")
+    with pytest.raises(psycopg.errors.SerializationFailure):
+        t2.execute("COMMIT")
+    assert commit_ids(writer, stream, "b", 1) == [2]
+    db.execute("SELECT streampos.set_writers(%s, ARRAY['a'])", (stream,))
+    writer.execute("BEGIN")
+    expect_error(writer, "SELECT streampos.next_id(%s, 'b')", (stream,), "55000")
+    writer.execute("ROLLBACK")
