@@ -35,22 +35,23 @@ fn with_page<T>(
 ) -> T {
     // SAFETY: the relation is opened and locked for the duration; block 0
     // of a sequence always exists; the buffer is pinned and share-locked
-    // while `f` reads its page; PostgreSQL errors cross the guarded
-    // boundary.
+    // while `f` reads its page. pgrx's bindings turn a PostgreSQL ERROR
+    // (a dropped relation, an I/O error) into a Rust panic that becomes the
+    // ERROR again at our function's boundary; a second guard around them
+    // would make that panic abort the process.
     let (kind, persistence, value) = unsafe {
-        pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-            let rel = pg_sys::relation_open(seq, lock);
-            let kind = (*(*rel).rd_rel).relkind as u8;
-            let persistence = (*(*rel).rd_rel).relpersistence as u8;
-            let usable = match need {
-                Need::Permanent => persistence == pg_sys::RELPERSISTENCE_PERMANENT,
-                Need::Readable => persistence != pg_sys::RELPERSISTENCE_TEMP,
-            };
-            if kind != pg_sys::RELKIND_SEQUENCE || !usable {
-                pg_sys::relation_close(rel, lock);
-                return (kind, persistence, None);
-            }
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::relation_open(seq, lock);
+        let kind = (*(*rel).rd_rel).relkind as u8;
+        let persistence = (*(*rel).rd_rel).relpersistence as u8;
+        let usable = match need {
+            Need::Permanent => persistence == pg_sys::RELPERSISTENCE_PERMANENT,
+            Need::Readable => persistence != pg_sys::RELPERSISTENCE_TEMP,
+        };
+        if kind != pg_sys::RELKIND_SEQUENCE || !usable {
+            pg_sys::relation_close(rel, lock);
+            (kind, persistence, None)
+        } else {
             let buffer = pg_sys::ReadBuffer(rel, 0);
             pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
             let page = pg_sys::BufferBlocks.add((buffer as usize - 1) * pg_sys::BLCKSZ as usize)
@@ -59,7 +60,7 @@ fn with_page<T>(
             pg_sys::UnlockReleaseBuffer(buffer);
             pg_sys::relation_close(rel, lock);
             (kind, persistence, Some(value))
-        })
+        }
     };
     match value {
         Some(value) => value,
@@ -79,23 +80,17 @@ fn with_page<T>(
 /// takes EXCLUSIVE on it, so it waits for every transaction allocating from
 /// it, and every later allocation waits for it and then sees its change.
 pub fn lock_for_allocation(seq: pg_sys::Oid) {
-    // SAFETY: takes a heavyweight lock held to the end of the transaction;
-    // waits and deadlocks are PostgreSQL ERRORs crossing the boundary.
-    unsafe {
-        pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            pg_sys::LockRelationOid(seq, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE)
-        })
-    }
+    // SAFETY: takes a heavyweight lock held to the end of the transaction.
+    // A failed wait (lock_timeout, a cancel, a deadlock) is an ERROR that
+    // pgrx's binding carries to our function's boundary (no second guard:
+    // see `with_page`).
+    unsafe { pg_sys::LockRelationOid(seq, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
 }
 
 /// See `lock_for_allocation`.
 pub fn lock_against_allocation(seq: pg_sys::Oid) {
     // SAFETY: as in `lock_for_allocation`.
-    unsafe {
-        pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            pg_sys::LockRelationOid(seq, pg_sys::ExclusiveLock as pg_sys::LOCKMODE)
-        })
-    }
+    unsafe { pg_sys::LockRelationOid(seq, pg_sys::ExclusiveLock as pg_sys::LOCKMODE) }
 }
 
 /// Refuse a sequence a stream cannot use: not a sequence, or not permanent
