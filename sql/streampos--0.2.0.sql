@@ -786,7 +786,7 @@ CREATE  FUNCTION "updates"(
 	"max_rows" INT DEFAULT 100,
 	"timeout_ms" INT DEFAULT 0
 ) RETURNS jsonb
-STRICT VOLATILE PARALLEL RESTRICTED
+STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'updates_wrapper';
 /* </end connected objects> */
@@ -797,7 +797,7 @@ CREATE  FUNCTION "wait_for"(
 	"stream_id" bigint,
 	"timeout_ms" INT
 ) RETURNS bigint
-STRICT VOLATILE PARALLEL RESTRICTED
+STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'wait_for_wrapper';
 /* </end connected objects> */

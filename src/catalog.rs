@@ -106,6 +106,12 @@ fn cache_generation(snapshot: Option<pg_sys::Snapshot>) -> Option<u64> {
         return None;
     }
     if let Some(snapshot) = snapshot {
+        // Taken on a hot standby: changes replayed then ran no callback, so
+        // the shared state says nothing about what it sees.
+        // SAFETY: `snapshot` is the caller's valid MVCC snapshot.
+        if unsafe { (*snapshot).takenDuringRecovery } {
+            return None;
+        }
         let n = (state.recent_pushed as usize).min(registry::RECENT_CATALOG_CHANGES);
         // SAFETY: `snapshot` is the caller's valid MVCC snapshot.
         let xmin = unsafe { (*snapshot).xmin };
@@ -272,6 +278,13 @@ pub fn end_subtransaction(
     if !committed {
         CLEAR_ON_NEXT_USE.set(true);
     }
+}
+
+/// A transaction was prepared: an instance it created is gone if it is
+/// rolled back later, by whichever session, and no callback of this backend
+/// will know.
+pub fn prepared() {
+    CLEAR_ON_NEXT_USE.set(true);
 }
 
 /// A transaction that changed the catalog cannot be prepared: its commit

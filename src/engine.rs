@@ -132,10 +132,14 @@ fn current_stream(stream: &str, writer: &str) -> (Rc<StreamMeta>, sequence::ForA
         // Checked usable and held (see `lock_against_allocation`).
         let held = sequence::open_for_allocation(meta.seq);
         let now = catalog::stream_latest(stream).or_raise();
-        if now.key == meta.key && now.seq == meta.seq && now.writers == meta.writers {
-            return (now, held);
+        let same = now.key == meta.key && now.seq == meta.seq && now.writers == meta.writers;
+        match held {
+            Some(held) if same => return (now, held),
+            Some(held) => held.close(),
+            // The sequence is gone but the stream still names it: say so.
+            None if same => sequence::check_usable(meta.seq),
+            None => {}
         }
-        held.close();
         meta = now;
     }
     Error::Retry {

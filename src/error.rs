@@ -85,7 +85,7 @@ pub enum Error {
         highest: Option<i64>,
         max_allocated: i64,
     },
-    /// A follower's position lies where this server, started from WAL, has
+    /// A follower's position lies where this server, a promoted standby, has
     /// no rows: it came from a history this server lost.
     #[error("token position {position} of stream \"{stream}\" is not in this server's history")]
     LostHistory {
@@ -221,7 +221,7 @@ impl Error {
                 highest.map_or(String::new(), |h| format!("The token's highest position is {h}. "))
             )),
             Error::LostHistory { have, ceiling, .. } => Some(format!(
-                "This server started from WAL (after a crash or a failover); its rows end at {have}, and IDs up to {ceiling} may have been handed out by transactions it never had."
+                "This server was a standby or recovered to a point in time; its rows end at {have}, and IDs up to {ceiling} may have been handed out by transactions it never had."
             )),
             Error::TooLarge { limit, .. } => Some(limit.clone()),
             Error::InstancesImmutable => Some(

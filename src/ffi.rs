@@ -72,7 +72,8 @@ pub mod in_boundary {
     use pgrx::pg_sys::{BlockNumber, Buffer, ForkNumber, Oid, RelFileNode, Relation, LOCKMODE};
 
     extern "C-unwind" {
-        pub fn relation_open(relid: Oid, lockmode: LOCKMODE) -> Relation;
+        /// Null when the relation is gone (after waiting for the lock).
+        pub fn try_relation_open(relid: Oid, lockmode: LOCKMODE) -> Relation;
         pub fn relation_close(rel: Relation, lockmode: LOCKMODE);
         pub fn ReadBuffer(rel: Relation, block: BlockNumber) -> Buffer;
         /// Pins `recent` if it still holds the block (no buffer mapping

@@ -37,22 +37,23 @@ fn with_page<T>(
 ) -> T {
     // SAFETY: the relation is opened and locked for the duration; block 0
     // of a sequence always exists; the buffer is pinned and share-locked
-    // while `f` reads its page; PostgreSQL errors cross the guarded
-    // boundary.
+    // while `f` reads its page. pgrx's bindings turn a PostgreSQL ERROR
+    // (a dropped relation, an I/O error) into a Rust panic that becomes the
+    // ERROR again at our function's boundary; a second guard around them
+    // would make that panic abort the process.
     let (kind, persistence, value) = unsafe {
-        pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-            let rel = pg_sys::relation_open(seq, lock);
-            let kind = (*(*rel).rd_rel).relkind as u8;
-            let persistence = (*(*rel).rd_rel).relpersistence as u8;
-            let usable = match need {
-                Need::Permanent => persistence == pg_sys::RELPERSISTENCE_PERMANENT,
-                Need::Readable => persistence != pg_sys::RELPERSISTENCE_TEMP,
-            };
-            if kind != pg_sys::RELKIND_SEQUENCE || !usable {
-                pg_sys::relation_close(rel, lock);
-                return (kind, persistence, None);
-            }
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::relation_open(seq, lock);
+        let kind = (*(*rel).rd_rel).relkind as u8;
+        let persistence = (*(*rel).rd_rel).relpersistence as u8;
+        let usable = match need {
+            Need::Permanent => persistence == pg_sys::RELPERSISTENCE_PERMANENT,
+            Need::Readable => persistence != pg_sys::RELPERSISTENCE_TEMP,
+        };
+        if kind != pg_sys::RELKIND_SEQUENCE || !usable {
+            pg_sys::relation_close(rel, lock);
+            (kind, persistence, None)
+        } else {
             let buffer = pg_sys::ReadBuffer(rel, 0);
             pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
             let page = pg_sys::BufferBlocks.add((buffer as usize - 1) * pg_sys::BLCKSZ as usize)
@@ -61,7 +62,7 @@ fn with_page<T>(
             pg_sys::UnlockReleaseBuffer(buffer);
             pg_sys::relation_close(rel, lock);
             (kind, persistence, Some(value))
-        })
+        }
     };
     match value {
         Some(value) => value,
@@ -82,13 +83,11 @@ fn with_page<T>(
 /// for every transaction allocating from it, and every later allocation
 /// waits for it and then sees its change.
 pub fn lock_against_allocation(seq: pg_sys::Oid) {
-    // SAFETY: takes a heavyweight lock held to the end of the transaction;
-    // waits and deadlocks are PostgreSQL ERRORs crossing the boundary.
-    unsafe {
-        pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            pg_sys::LockRelationOid(seq, pg_sys::ExclusiveLock as pg_sys::LOCKMODE)
-        })
-    }
+    // SAFETY: takes a heavyweight lock held to the end of the transaction.
+    // A failed wait (lock_timeout, a cancel, a deadlock) is an ERROR that
+    // pgrx's binding carries to our function's boundary (no second guard:
+    // see `with_page`).
+    unsafe { pg_sys::LockRelationOid(seq, pg_sys::ExclusiveLock as pg_sys::LOCKMODE) }
 }
 
 /// Refuse a sequence a stream cannot use: not a sequence, or not permanent
@@ -136,31 +135,37 @@ thread_local! {
         std::cell::RefCell::new(FastMap::default());
 }
 
-/// Open `seq` to allocate from it, or raise the error `check_usable`
-/// raises. Privileges are checked by `check_may_allocate` first.
-pub fn open_for_allocation(seq: pg_sys::Oid) -> ForAllocation {
-    // SAFETY: opens and locks the relation (a dropped one is a PostgreSQL
-    // ERROR crossing the guarded boundary; the closure owns nothing to
-    // drop); a relation that is not usable is closed again before the error
-    // is raised.
+/// Open `seq` to allocate from it (waiting for a `drop_stream` that holds
+/// it), or raise the error `check_usable` raises; None when the sequence
+/// was dropped meanwhile. Privileges are checked by `check_may_allocate`
+/// first.
+pub fn open_for_allocation(seq: pg_sys::Oid) -> Option<ForAllocation> {
+    // SAFETY: opens and locks the relation (a failed lock wait is a
+    // PostgreSQL ERROR crossing the guarded boundary; the closure owns
+    // nothing to drop); a relation that is not usable is closed again before
+    // the error is raised.
     let (kind, persistence, rel) = unsafe {
         pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            let rel = in_boundary::relation_open(seq, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+            let rel =
+                in_boundary::try_relation_open(seq, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+            if rel.is_null() {
+                return (0, 0, Ok(None));
+            }
             let kind = (*(*rel).rd_rel).relkind as u8;
             let persistence = (*(*rel).rd_rel).relpersistence as u8;
             if kind != pg_sys::RELKIND_SEQUENCE || persistence != pg_sys::RELPERSISTENCE_PERMANENT {
                 in_boundary::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-                return (kind, persistence, None);
+                return (kind, persistence, Err(()));
             }
-            (kind, persistence, Some(rel))
+            (kind, persistence, Ok(Some(rel)))
         })
     };
     match rel {
-        Some(rel) => ForAllocation { rel },
-        None if kind != pg_sys::RELKIND_SEQUENCE => {
+        Ok(rel) => rel.map(|rel| ForAllocation { rel }),
+        Err(()) if kind != pg_sys::RELKIND_SEQUENCE => {
             Error::NotASequence(sql::relation_name(seq)).report()
         }
-        None => Error::NotPermanent {
+        Err(()) => Error::NotPermanent {
             seq: sql::relation_name(seq),
             unlogged: persistence == pg_sys::RELPERSISTENCE_UNLOGGED,
         }

@@ -333,7 +333,10 @@ pub fn insert_instance(name: &str) -> Option<i32> {
         update_one::<i64>(
             "SELECT pg_catalog.setval('streampos.instances_instance_id_seq'::pg_catalog.regclass, m.max_id) \
              FROM (SELECT pg_catalog.max(i.instance_id)::pg_catalog.int8 AS max_id FROM streampos.instances i) m \
-             WHERE m.max_id OPERATOR(pg_catalog.>) (SELECT q.last_value FROM streampos.instances_instance_id_seq q)",
+             WHERE m.max_id OPERATOR(pg_catalog.>) \
+                   (SELECT CASE WHEN q.is_called THEN q.last_value \
+                                ELSE q.last_value OPERATOR(pg_catalog.-) 1 END \
+                    FROM streampos.instances_instance_id_seq q)",
             &[],
         );
         update_one(

@@ -32,6 +32,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
             registry::flush_before_commit();
             catalog::pre_commit();
         }
+        XactEvent::XACT_EVENT_PREPARE => catalog::prepared(),
         XactEvent::XACT_EVENT_PRE_PREPARE if registry::holding() => Error::Prepare.report(),
         XactEvent::XACT_EVENT_PRE_PREPARE if catalog::changed_in_this_transaction() => {
             Error::PrepareCatalog.report()

@@ -78,13 +78,13 @@ fn refuse_ahead(
     }
 }
 
-/// After a start from WAL (a crash, or a standby promoted) the sequence
+/// On a promoted standby (or after a point-in-time recovery) the sequence
 /// stands where the last replayed `nextval` record put it, up to 32 values
 /// past what the lost history handed out, and the frontier starts there. A
 /// token position below that point but above every row this server has
 /// comes from transactions it never had: the follower holds rows that do
-/// not exist here. (A gap of aborted IDs at the tail before the crash looks
-/// the same: that follower resynchronises needlessly, never wrongly.)
+/// not exist here. (Rows deleted since, or a gap of aborted IDs, look the
+/// same: that follower resynchronises needlessly, never wrongly.)
 fn refuse_lost_history(meta: &StreamMeta, index: usize, since: &Token) {
     let ceiling = registry::replayed_ceiling(index).or_raise();
     let Some(position) = [since.stream(), since.max_stream_pos()]

@@ -44,11 +44,13 @@ pub(super) struct Header {
     pub n_active: u32,
     /// The highest `lsn` ever pushed (for `Finished::lsn_prefix_max`).
     pub ring_lsn_max: u64,
-    /// The server started from WAL (after a crash, as a standby, or for a
-    /// point-in-time recovery), not from a clean shutdown: sequences may
-    /// stand up to 32 values past what was handed out before (see
-    /// `StreamState::replayed_ceiling`).
-    pub started_from_wal: bool,
+    /// The server started as a standby or for a point-in-time recovery: once
+    /// promoted it may lack commits another server acknowledged, and its
+    /// sequences stand where the last replayed record put them, up to 32
+    /// values past what that history handed out (see
+    /// `StreamState::replayed_ceiling`). Not after a crash restart of a
+    /// primary: every ID its frontiers passed was durable here.
+    pub may_lack_history: bool,
     /// The highest durable WAL position ever seen (see
     /// `visibility::durable_lsn`): what was final stays final when
     /// synchronous standbys are configured later.
@@ -198,7 +200,7 @@ pub(super) struct StreamState {
     /// when the stream was loaded): tokens list them.
     pub n_seen: u32,
     pub seen: [i32; SEEN_WRITERS],
-    /// When the server started from WAL: the maximum allocated ID loaded
+    /// When the server may lack history: the maximum allocated ID loaded
     /// from the sequence. IDs below it that no row here has may have been
     /// handed out by a history this server lost (a follower holding one
     /// must resynchronise); 0 otherwise.
@@ -401,7 +403,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*header).ring_cap = ring_cap as u32;
             (*header).n_slots = n_slots as u32;
             (*header).per_slot = per_slot as u32;
-            (*header).started_from_wal = started_from_wal();
+            (*header).may_lack_history = may_lack_history();
             let entries = base.add(l.entries) as *mut Active;
             for i in 0..n_slots * per_slot {
                 entries.add(i).write(FREE_ACTIVE);
@@ -487,23 +489,12 @@ impl Section {
     }
 }
 
-/// Does this start replay WAL? In the postmaster, before the startup
-/// process runs: the control file still says how the server stopped, and
-/// the signal files say whether it starts as a standby or for a recovery.
-/// Unreadable: assume it does (the cautious answer).
-unsafe fn started_from_wal() -> bool {
-    let mut crc_ok = false;
-    // SAFETY: DataDir is set (and the working directory) before shared
-    // memory is created; the control file was read by the postmaster
-    // already, so this read succeeds or the server would not be starting.
-    let control = unsafe { pg_sys::get_controlfile(pg_sys::DataDir, &mut crc_ok) };
-    if control.is_null() || !crc_ok {
-        return true;
-    }
-    // SAFETY: a palloc'd copy of the control file, checked non-null.
-    let clean = unsafe { (*control).state } == pg_sys::DBState::DB_SHUTDOWNED;
-    !clean
-        || std::path::Path::new("standby.signal").exists()
+/// Does the server start as a standby or for a point-in-time recovery? In
+/// the postmaster, before the startup process runs (which removes the
+/// signal file when it promotes or finishes recovery), in the data
+/// directory.
+fn may_lack_history() -> bool {
+    std::path::Path::new("standby.signal").exists()
         || std::path::Path::new("recovery.signal").exists()
 }
 

@@ -171,12 +171,12 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
 /// so that tokens list them without reading the table on every call.
 pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> Result<(), Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
-    let from_wal = locked.h().started_from_wal;
+    let may_lack_history = locked.h().may_lack_history;
     let s = &mut locked.streams()[index];
     if !s.loaded {
         s.loaded = true;
         s.max_allocated = max_allocated;
-        s.replayed_ceiling = if from_wal { max_allocated } else { 0 };
+        s.replayed_ceiling = if may_lack_history { max_allocated } else { 0 };
         for &w in stored_writers.iter().take(SEEN_WRITERS) {
             if !s.seen[..s.n_seen as usize].contains(&w) {
                 s.seen[s.n_seen as usize] = w;

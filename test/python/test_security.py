@@ -457,6 +457,40 @@ def test_in_flight_shows_other_roles_backends_only_as_pg_stat_activity_would(db,
     del seq
 
 
+def test_updates_names_columns_exactly_and_converts_every_row(db, stream):
+    """A column called i"d came out of 0.1.0's updates() headers as i""d, and a
+    value its own conversion could not handle became null. Now PostgreSQL
+    builds the answer: headers are the column names as they are, values are
+    to_jsonb's (a money or an array keeps its value)."""
+    create_stream(db, stream)
+    table = f"{stream}_q"
+    db.execute(f'CREATE TABLE "{table}" ("i""d" bigint, "w""ho" text, "odd col" money, "arr" int[])')
+    db.execute("SELECT streampos.add_table(%s, %s, %s, %s)", (stream, table, 'i"d', 'w"ho'))
+    db.execute(
+        f'INSERT INTO "{table}" SELECT streampos.next_id(%s, %s), %s, 12.5, ARRAY[1, 2]',
+        (stream, "w", "w"),
+    )
+    answer = one(db, "SELECT streampos.updates(%s, '0')", (stream,))
+    db.execute(f'DROP TABLE "{table}"')
+    header, row = answer["data"][0], answer["data"][1]
+    assert header[4:] == ['i"d', 'w"ho', "odd col", "arr"], header
+    assert row == [1, "w", "$12.50", [1, 2]], row
+
+
+def test_in_flight_names_a_writer_its_own_open_transaction_created(db, connect, stream):
+    """0.1.0 showed an empty instance name for a writer whose name was created
+    by the still-open transaction (other sessions cannot see that row yet).
+    The name is kept with the registry entry."""
+    create_stream(db, stream)
+    writer = f"{stream}_brand_new"
+    w = connect()
+    w.execute("BEGIN")
+    one(w, "SELECT streampos.next_id(%s, %s)", (stream, writer))
+    shown = rows(db, "SELECT instance_name, min_id FROM streampos.in_flight(%s)", (stream,))
+    w.execute("ROLLBACK")
+    assert shown == [(writer, 1)]
+
+
 def test_a_writer_seen_only_in_aborted_transactions_is_not_in_tokens(db, connect, stream):
     create_stream(db, stream)
     commit_ids(db, stream, "real")

@@ -240,3 +240,16 @@ def test_the_update_waits_for_catalog_readers(fresh_db):
     admin.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
     assert one(admin, "SELECT extversion FROM pg_extension WHERE extname = 'streampos'") == CURRENT
     assert one(reader, "SELECT streampos.frontier('events')") == 0
+
+
+def test_instance_ids_restored_ahead_of_a_fresh_sequence_are_not_given_again(fresh_db):
+    """A restore (or an import) can bring instance rows back while the id
+    sequence is still fresh (last_value 1, not called): the next new
+    instance gets an id above them, not 1 again."""
+    c = connect_raw(fresh_db())
+    c.execute("CREATE EXTENSION streampos")
+    assert one(c, "SELECT is_called FROM streampos.instances_instance_id_seq") is False
+    c.execute("INSERT INTO streampos.instances (instance_id, instance_name) VALUES (1, 'restored')")
+    assert one(c, "SELECT streampos.instance_id('new')") == 2
+    assert one(c, "SELECT streampos.instance_id('restored')") == 1
+    c.close()
