@@ -23,9 +23,9 @@ Many streams: 16 clients, each the only writer of a stream of its own,
 against the floor with one sequence per client.
 
 Every ratio is computed round by round (each round measures the shape and
-its baseline back to back) and reported as the median of the rounds with
-their range (min-max), so that a cost smaller than the noise shows as a
-range that straddles 1.
+its baseline back to back, in an order that rotates from round to round)
+and reported as the median of the rounds with their range (min-max), so
+that a cost smaller than the noise shows as a range that straddles 1.
 """
 import argparse
 import os
@@ -96,6 +96,14 @@ CREATE TABLE b_ms (id bigint, stream int, payload text);
 CREATE SEQUENCE b_floor_seq;
 CREATE SEQUENCE b_syn_seq;
 """
+
+
+def rotated(items, k):
+    """`items` starting at position k: each round runs its shapes in another
+    order, so that a shape is not always the one after (say) a checkpoint."""
+    items = list(items)
+    k %= len(items)
+    return items[k:] + items[:k]
 
 
 def spread(values):
@@ -182,8 +190,9 @@ class Bench:
         rows = []
         for clients, writers, sync in cells:
             results = {name: [] for name in WRITER_SHAPES}
-            for _ in range(self.args.rounds):
-                for name, body in WRITER_SHAPES.items():
+            for round_ in range(self.args.rounds):
+                for name in rotated(WRITER_SHAPES, round_):
+                    body = WRITER_SHAPES[name]
                     self.reset()
                     results[name].append(
                         self.pgbench(self.script(name, body), clients, self.args.seconds, writers, sync)
@@ -201,8 +210,9 @@ class Bench:
     def reader_cells(self, label):
         writer_script = self.script("streampos", WRITER_SHAPES["streampos"])
         results = {name: [] for name in READER_SHAPES}
-        for _ in range(self.args.rounds):
-            for name, body in READER_SHAPES.items():
+        for round_ in range(self.args.rounds):
+            for name in rotated(READER_SHAPES, round_):
+                body = READER_SHAPES[name]
                 self.reset()
                 measured, _ = self.with_load(writer_script, 8, 4, self.script(name, body), 8, self.args.seconds)
                 results[name].append(measured)
@@ -248,8 +258,8 @@ class Bench:
         readers = {(cond, name): [] for cond in ("without", "with") for name in READER_SHAPES}
         writers = {key: [] for key in readers}
         checks = []
-        for _ in range(self.args.rounds):
-            for cond in ("without", "with"):
+        for round_ in range(self.args.rounds):
+            for cond in rotated(("without", "with"), round_):
                 old = None
                 if cond == "with":
                     old = self.open_old_snapshot()
@@ -257,7 +267,8 @@ class Bench:
                     # Writers alone first: the snapshot is already old (and the
                     # ring well filled) when the measured runs start.
                     self.pgbench(writer_script, 4, self.args.prefill)
-                for name, body in READER_SHAPES.items():
+                for name in rotated(READER_SHAPES, round_):
+                    body = READER_SHAPES[name]
                     (r, _), (w, _) = self.with_load(
                         writer_script, 4, 4, self.script(name, body), 4, seconds
                     )
@@ -289,8 +300,9 @@ class Bench:
 
     def many_streams_cell(self):
         results = {name: [] for name in MANY_STREAM_SHAPES}
-        for _ in range(self.args.rounds):
-            for name, body in MANY_STREAM_SHAPES.items():
+        for round_ in range(self.args.rounds):
+            for name in rotated(MANY_STREAM_SHAPES, round_):
+                body = MANY_STREAM_SHAPES[name]
                 self.reset()
                 results[name].append(
                     self.pgbench(self.script("ms " + name, body), N_STREAMS, self.args.seconds)
