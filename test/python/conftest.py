@@ -152,3 +152,21 @@ def synapse_template():
             f"{time.monotonic() - started:.2f}s with imports"
         )
         yield name
+
+
+@pytest.fixture
+def fresh_db(database):
+    """A factory of empty databases (their names), dropped at teardown."""
+    names = []
+
+    def make():
+        name = f"streampos_db_{uuid.uuid4().hex[:8]}"
+        with connect_raw("postgres") as admin:
+            admin.execute(f"CREATE DATABASE {name}")
+        names.append(name)
+        return name
+
+    yield make
+    with connect_raw("postgres") as admin:
+        for name in names:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

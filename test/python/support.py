@@ -83,6 +83,19 @@ def create_stream(conn, stream, backwards=False, writers=None):
     )
 
 
+def commit_ids(conn, stream, writer, n=1):
+    """n IDs allocated and committed in a transaction of their own (with a
+    WAL record of its own, so the commit flushes)."""
+    with conn.transaction():
+        ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
+        conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-test', '')")
+    return ids
+
+
+def frontier(conn, stream):
+    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
+
+
 def sequence_value(conn, seq):
     """The sequence's last handed-out value (last_value, or one less when
     is_called is false)."""

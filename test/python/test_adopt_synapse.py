@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 import synapse_db
-from support import conninfo_string, connect_raw, durable_commit, expect_error, one, rows, scratch_database
+from support import connect_raw, durable_commit, expect_error, one, rows, scratch_database
 
 # The call, its result columns, and the actions the tests rely on.
 ADOPT = "SELECT stream, action, detail FROM streampos.adopt_synapse()"

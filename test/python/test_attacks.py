@@ -21,9 +21,11 @@ from cluster import _bin as cluster_bin
 from cluster import _run as cluster_run
 from failover_measure import setup_stream, token_positions, update_rows
 from support import (
+    commit_ids,
     connect_raw,
     create_stream,
     expect_error,
+    frontier,
     one,
     rows,
     stored_positions,
@@ -49,17 +51,8 @@ def intruder(intruder_role, connect):
     return connect(user=intruder_role)
 
 
-def commit_ids(conn, stream, writer, n=1):
-    """n IDs allocated and committed in one transaction (with a WAL record of
-    its own, so the commit flushes)."""
-    with conn.transaction():
-        ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
-        conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-attack', '')")
-    return ids
 
 
-def frontier(conn, stream):
-    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
 
 
 def many_instances(first, count, position=5):

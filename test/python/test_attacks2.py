@@ -19,25 +19,18 @@ import pytest
 from cluster import Clusters
 from failover_measure import setup_stream, token_positions, update_rows
 from support import (
+    commit_ids,
     create_stream,
     expect_error,
+    frontier,
     one,
     rows,
     wait_until,
 )
 
 
-def commit_ids(conn, stream, writer, n=1):
-    """n IDs allocated and committed in one transaction (with a WAL record of
-    its own, so the commit flushes)."""
-    with conn.transaction():
-        ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
-        conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-attack', '')")
-    return ids
 
 
-def frontier(conn, stream):
-    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
 
 
 def own_sequence(db, connect, stream):

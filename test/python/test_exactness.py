@@ -10,24 +10,14 @@ Tests that need a small finished ring run on a cluster of their own
 import threading
 import time
 
-import psycopg
 import pytest
 
 from cluster import Clusters
-from support import create_stream, expect_error, one, rows
+from support import commit_ids, create_stream, expect_error, frontier, one, rows
 
 
-def commit_ids(conn, stream, writer, n=1):
-    """Allocate n IDs in a transaction of their own that commits (with a WAL
-    record of its own, so the commit flushes)."""
-    with conn.transaction():
-        ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
-        conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-test', '')")
-    return ids
 
 
-def frontier(conn, stream):
-    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
 
 
 # ----------------------------------------------------------------- portals

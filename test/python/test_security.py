@@ -4,7 +4,6 @@ is one way 0.1.0 let such a role corrupt positions, run code as another role,
 freeze streams or bring the server down (README, "Security").
 """
 
-import subprocess
 import time
 import uuid
 
@@ -13,7 +12,7 @@ import pytest
 
 from cluster import Clusters
 from support import (
-    DBNAME,
+    commit_ids,
     connect_raw,
     create_stream,
     expect_error,
@@ -42,11 +41,6 @@ def attacker(attacker_role, connect):
     return connect(user=attacker_role)
 
 
-def commit_ids(conn, stream, writer, n=1):
-    with conn.transaction():
-        ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
-        conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, 'streampos-test', '')")
-    return ids
 
 
 # ------------------------------------------------ 1. shadowing relations

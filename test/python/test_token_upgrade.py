@@ -7,7 +7,6 @@ catalog exactly as a fresh 0.2.0 install makes it.
 Each test works in a database of its own, created from scratch.
 """
 
-import uuid
 
 import psycopg
 import pytest
@@ -16,21 +15,9 @@ from support import connect_raw, one, rows
 
 
 @pytest.fixture
-def scratch_db(database):
-    """A factory of empty databases, dropped at teardown."""
-    names = []
-
-    def make():
-        name = f"streampos_upgrade_{uuid.uuid4().hex[:8]}"
-        with connect_raw("postgres") as admin:
-            admin.execute(f"CREATE DATABASE {name}")
-        names.append(name)
-        return connect_raw(name)
-
-    yield make
-    with connect_raw("postgres") as admin:
-        for name in names:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+def scratch_db(fresh_db):
+    """A factory of connections to empty databases, dropped at teardown."""
+    return lambda: connect_raw(fresh_db())
 
 
 def at_010(conn):

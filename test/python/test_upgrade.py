@@ -16,23 +16,6 @@ from support import connect_raw, one, rows
 CURRENT = "0.2.0"
 
 
-@pytest.fixture
-def fresh_db(database):
-    names = []
-
-    def make():
-        name = f"streampos_up_{uuid.uuid4().hex[:8]}"
-        with connect_raw("postgres") as admin:
-            admin.execute(f"CREATE DATABASE {name}")
-        names.append(name)
-        return name
-
-    yield make
-    with connect_raw("postgres") as admin:
-        for name in names:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 def catalog(conn):
     """Every object of the extension, described with everything that makes
     it what it is: functions (signature, language, C symbol or body,
