@@ -837,6 +837,12 @@ impl Raw {
         // the active list and slot headers hold n_slots entries each.
         unsafe {
             let base = self.header as *const u8;
+            // The counts are read after the highest allocated ID the caller
+            // read (`stream`): an entry published before that ID was raised
+            // is then counted. Without the fence a weakly ordered CPU
+            // (ARM64, POWER) may read `n_active` or `used` first, miss the
+            // entry, and answer up to the ID that entry holds back.
+            fence(Ordering::Acquire);
             // What was published before the counts (`publish`) is read
             // after them.
             let n = (Self::read(&raw const (*self.h()).n_active) as usize).min(n_slots);
