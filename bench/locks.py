@@ -17,7 +17,6 @@ Cells (pgbench -M prepared):
 import argparse
 import os
 import sys
-import threading
 import time
 
 import psycopg
@@ -125,7 +124,7 @@ def main():
             writers = mixed["begin_allocation"][3]
             readers = mixed["view (lock-free copy)"][3]
             t["alloc_measured"] = writers
-            out.write(f"#### Projection (bench/model.py, docs/performance.md), from the cell \"8 frontier() readers + 8 writers\"\n\n")
+            out.write("#### Projection (bench/model.py, docs/performance.md), from the cell \"8 frontier() readers + 8 writers\"\n\n")
             out.write(f"Inputs: begin {t['begin']:.0f} ns, finish {t['finish']:.0f} ns, commit {t['end']:.0f} ns, "
                       f"lock-free copy {t['copy']:.0f} ns visiting {t['slots']:.2f} active slots, "
                       f"shared-lock view {t['view']:.0f} ns; per core {writers / 2:.0f} allocations/s and "
