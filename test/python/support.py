@@ -96,6 +96,22 @@ def frontier(conn, stream):
     return one(conn, "SELECT streampos.frontier(%s)", (stream,))
 
 
+def next_id(conn, stream, writer):
+    return one(conn, "SELECT streampos.next_id(%s, %s)", (stream, writer))
+
+
+def next_ids(conn, stream, writer, n):
+    return one(conn, "SELECT streampos.next_ids(%s, %s, %s::int)", (stream, writer, n))
+
+
+def max_allocated(conn, stream):
+    return one(conn, "SELECT streampos.max_allocated(%s)", (stream,))
+
+
+def writer_position(conn, stream, writer):
+    return one(conn, "SELECT streampos.writer_position(%s, %s)", (stream, writer))
+
+
 def sequence_value(conn, seq):
     """The sequence's last handed-out value (last_value, or one less when
     is_called is false)."""

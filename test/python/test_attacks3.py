@@ -27,26 +27,14 @@ from support import (
     durable_commit,
     frontier,
     in_flight,
+    max_allocated,
+    next_id,
+    next_ids,
     one,
     rows,
     wait_until,
+    writer_position,
 )
-
-
-def next_id(conn, stream, writer):
-    return one(conn, "SELECT streampos.next_id(%s, %s)", (stream, writer))
-
-
-def next_ids(conn, stream, writer, n):
-    return one(conn, "SELECT streampos.next_ids(%s, %s, %s::int)", (stream, writer, n))
-
-
-def max_allocated(conn, stream):
-    return one(conn, "SELECT streampos.max_allocated(%s)", (stream,))
-
-
-def writer_position(conn, stream, writer):
-    return one(conn, "SELECT streampos.writer_position(%s, %s)", (stream, writer))
 
 
 def hold_id(conn, stream, writer):

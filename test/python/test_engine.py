@@ -26,35 +26,20 @@ from support import (
     durable_commit,
     expect_error,
     flush_wal,
+    frontier,
     in_flight,
+    max_allocated,
+    next_id,
+    next_ids,
     one,
     rows,
     sequence_value,
     stored_positions,
     wait_until,
+    writer_position,
 )
 
 # --------------------------------------------------------------- helpers
-
-
-def next_id(conn, stream, writer):
-    return one(conn, "SELECT streampos.next_id(%s, %s)", (stream, writer))
-
-
-def next_ids(conn, stream, writer, n):
-    return one(conn, "SELECT streampos.next_ids(%s, %s, %s::int)", (stream, writer, n))
-
-
-def frontier(conn, stream):
-    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
-
-
-def max_allocated(conn, stream):
-    return one(conn, "SELECT streampos.max_allocated(%s)", (stream,))
-
-
-def writer_position(conn, stream, writer):
-    return one(conn, "SELECT streampos.writer_position(%s, %s)", (stream, writer))
 
 
 def writer_positions(conn, stream):

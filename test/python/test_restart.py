@@ -12,11 +12,15 @@ import psycopg
 import pytest
 
 from support import (
+    CATCH_UP_SECONDS,
     PGDATA,
     backend_pid,
     create_stream,
     expect_error,
+    frontier,
     in_flight,
+    max_allocated,
+    next_ids,
     one,
     restart_server,
     rows,
@@ -26,22 +30,9 @@ from support import (
     stored_positions,
     wait_for_server,
     wait_until,
-    CATCH_UP_SECONDS,
 )
 
 pytestmark = pytest.mark.skipif(not PGDATA, reason="STREAMPOS_PGDATA is not set")
-
-
-def frontier(conn, stream):
-    return one(conn, "SELECT streampos.frontier(%s)", (stream,))
-
-
-def max_allocated(conn, stream):
-    return one(conn, "SELECT streampos.max_allocated(%s)", (stream,))
-
-
-def next_ids(conn, stream, writer, n):
-    return one(conn, "SELECT streampos.next_ids(%s, %s, %s::int)", (stream, writer, n))
 
 
 def table_ids(conn, table):
