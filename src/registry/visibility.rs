@@ -389,6 +389,11 @@ pub fn view(
         ..Copied::default()
     };
     let mut seen = [0; SEEN_WRITERS];
+    let copy = |durable: &mut Durability, copied: &mut Copied, seen: &mut [i32; SEEN_WRITERS]| {
+        let r = copy_stream(raw, stream, key, seq, snap, own_slot, durable, copied);
+        raw.seen(stream, seen, copied.n_seen);
+        r
+    };
     let mut result = None;
     #[cfg(feature = "lock-stats")]
     let started = super::lock_stats::now();
@@ -403,17 +408,7 @@ pub fn view(
             spins += 1;
             before = raw.begin_read();
         }
-        let r = copy_stream(
-            raw,
-            stream,
-            key,
-            seq,
-            snap,
-            own_slot,
-            &mut durable,
-            &mut copied,
-        );
-        raw.seen(stream, &mut seen, copied.n_seen);
+        let r = copy(&mut durable, &mut copied, &mut seen);
         if raw.still(before) {
             result = Some(r);
             break;
@@ -426,18 +421,7 @@ pub fn view(
         None => {
             // Writers kept moving: copy under the lock, shared.
             let _locked = Locked::acquire(Section::View)?;
-            let r = copy_stream(
-                raw,
-                stream,
-                key,
-                seq,
-                snap,
-                own_slot,
-                &mut durable,
-                &mut copied,
-            );
-            raw.seen(stream, &mut seen, copied.n_seen);
-            r
+            copy(&mut durable, &mut copied, &mut seen)
         }
     };
     if result.is_err() {
