@@ -227,7 +227,7 @@ pub fn end_transaction(committed: bool) {
         PENDING_DROPS.with(|p| {
             // One key at a time: the callback must not allocate.
             for &(key, _) in p.borrow().iter() {
-                registry::mark_dropped_at_commit(&[key]);
+                registry::mark_dropped_at_commit(&[key], pg_sys::TransactionId::from_inner(xid));
             }
         });
     }

@@ -31,17 +31,32 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
     if in_recovery() {
         Error::ReadOnly("during recovery").report();
     }
-    let (index, loaded) = registry::stream_index(meta.key, meta.seq).or_raise();
-    if !loaded {
+    for _ in 0..3 {
+        let (index, loaded) = registry::stream_index(meta.key, meta.seq).or_raise();
+        if loaded {
+            return index;
+        }
         // IDs are positive: a sequence altered below 1 has handed out none.
         let max = sequence::max_allocated(meta.seq).max(0);
         let stored: Vec<i32> = sql::stored_positions(&meta.name)
             .into_iter()
             .map(|(id, _)| id)
             .collect();
-        registry::set_loaded(index, max, &stored).or_raise();
+        if registry::set_loaded(index, meta.key, meta.seq, max, &stored).or_raise() {
+            return index;
+        }
     }
-    index
+    dropped_concurrently(meta)
+}
+
+fn dropped_concurrently(meta: &StreamMeta) -> ! {
+    Error::Retry {
+        message: format!(
+            "stream \"{}\" was dropped concurrently",
+            crate::error::clip(&meta.name)
+        ),
+    }
+    .report()
 }
 
 /// Run `f` with the stream's registry index. The index is cached per
@@ -58,13 +73,7 @@ pub fn with_index<T>(
             Err(registry::Stale) => registry::forget_index(meta.key),
         }
     }
-    Error::Retry {
-        message: format!(
-            "stream \"{}\" was dropped concurrently",
-            crate::error::clip(&meta.name)
-        ),
-    }
-    .report()
+    dropped_concurrently(meta)
 }
 
 // --------------------------------------------------------------- allocation

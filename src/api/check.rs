@@ -27,6 +27,74 @@ pub(super) fn check_stream(
     if repair && in_recovery() {
         Error::Recovery("repair a stream").report();
     }
+    let mut checked = checks(&meta);
+    // What was read may be a moment old: a writer can have taken values and
+    // committed rows since the sequence was read, and moving the sequence
+    // to such a value would move it back (and hand those IDs out again). So
+    // a repair holds the sequence against allocation (EXCLUSIVE, as
+    // drop_stream: it waits for the transactions allocating from it and
+    // blocks new ones until this transaction ends) and checks again: now
+    // nothing else moves it.
+    if repair && checked.needed > checked.seq_max {
+        sequence::lock_against_allocation(meta.seq);
+        checked = checks(&meta);
+    }
+    let Checked {
+        mut rows,
+        seq_max,
+        needed,
+        forget,
+    } = checked;
+    if repair && !forget.is_empty() {
+        for oid in &forget {
+            sql::forget_dropped_stream_table(stream, *oid);
+        }
+        catalog::mark_changed();
+        rows.push((
+            "repair".to_string(),
+            true,
+            format!("forgot {} dropped table(s)", forget.len()),
+        ));
+    }
+    if needed > seq_max {
+        if repair {
+            // Move the sequence forward (with the caller's privileges, as
+            // setval() needs them); never delete positions or rows.
+            sql::setval(meta.seq, needed);
+            if registry::is_loaded() {
+                let index = engine::registry_index(&meta);
+                registry::raise_max_allocated(index, needed).or_raise();
+            }
+            rows.push((
+                "repair".to_string(),
+                true,
+                format!("sequence moved forward to {}", meta.external(needed)),
+            ));
+        } else {
+            rows.push((
+                "repair".to_string(),
+                false,
+                "run streampos.check_stream(…, repair => true) to move the sequence forward"
+                    .to_string(),
+            ));
+        }
+    }
+    TableIterator::new(rows)
+}
+
+struct Checked {
+    rows: Vec<(String, bool, String)>,
+    /// The highest value the sequence has handed out.
+    seq_max: i64,
+    /// The highest ID or position anything holds: the sequence must be at
+    /// least there.
+    needed: i64,
+    /// Registered tables that were dropped (a repair forgets them).
+    forget: Vec<pg_sys::Oid>,
+}
+
+fn checks(meta: &catalog::StreamMeta) -> Checked {
+    let stream = meta.name.as_str();
     let mut rows = Vec::new();
     let seq_name = sql::relation_name(meta.seq);
 
@@ -123,7 +191,7 @@ pub(super) fn check_stream(
     // What this server handed out since start-up: a sequence moved back
     // below it (setval) would hand those IDs out again.
     if registry::is_loaded() && !in_recovery() {
-        let allocated = engine::answer(&meta).positions.max_allocated;
+        let allocated = engine::answer(meta).positions.max_allocated;
         let ok = allocated <= seq_max;
         needed = needed.max(allocated);
         rows.push((
@@ -144,39 +212,10 @@ pub(super) fn check_stream(
             },
         ));
     }
-    if repair && !forget.is_empty() {
-        for oid in &forget {
-            sql::forget_dropped_stream_table(stream, *oid);
-        }
-        catalog::mark_changed();
-        rows.push((
-            "repair".to_string(),
-            true,
-            format!("forgot {} dropped table(s)", forget.len()),
-        ));
+    Checked {
+        rows,
+        seq_max,
+        needed,
+        forget,
     }
-    if needed > seq_max {
-        if repair {
-            // Move the sequence forward (with the caller's privileges, as
-            // setval() needs them); never delete positions or rows.
-            sql::setval(meta.seq, needed);
-            if registry::is_loaded() {
-                let index = engine::registry_index(&meta);
-                registry::raise_max_allocated(index, needed).or_raise();
-            }
-            rows.push((
-                "repair".to_string(),
-                true,
-                format!("sequence moved forward to {}", meta.external(needed)),
-            ));
-        } else {
-            rows.push((
-                "repair".to_string(),
-                false,
-                "run streampos.check_stream(…, repair => true) to move the sequence forward"
-                    .to_string(),
-            ));
-        }
-    }
-    TableIterator::new(rows)
 }

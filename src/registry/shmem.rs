@@ -184,6 +184,11 @@ pub(super) struct StreamState {
     pub in_use: bool,
     pub loaded: bool,
     pub dropped: bool,
+    /// The transaction that dropped the stream (invalid once every
+    /// snapshot sees the drop, or when none can miss it): until then a
+    /// snapshot may still see the stream and ask about it, so its state is
+    /// not given to another stream.
+    pub dropped_by: TransactionId,
     pub db: pg_sys::Oid,
     pub key: i32,
     /// The stream's sequence: a state matches a stream only with the same

@@ -3,6 +3,7 @@
 //! by `drop_stream` and reclaimed when the registry is full.
 
 use pgrx::pg_sys;
+use pgrx::pg_sys::TransactionId;
 
 use super::shmem::{Locked, Section, StreamState, HEADER, SEEN_WRITERS};
 use crate::error::Error;
@@ -80,6 +81,12 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     if full {
         forget_dropped_databases()?;
     }
+    // Read before the lock (they take PostgreSQL's own locks): every
+    // snapshot has an xmin at or past `horizon`; `completed` is at or past
+    // any transaction that committed before this call.
+    // SAFETY: computes the shared horizon; raises no error.
+    let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(std::ptr::null_mut()) };
+    let completed = super::visibility::latest_completed();
     let locked = Locked::acquire(Section::OtherExclusive)?;
     let streams = locked.streams();
     if let Some(i) = streams.iter().position(|s| is_state_of(s, key, seq)) {
@@ -88,13 +95,14 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     // The same key with another sequence: the stream was dropped with the
     // extension and created again. Its old state is never used again.
     for s in streams.iter_mut() {
-        if s.in_use && s.db == db && s.key == key {
+        if s.in_use && s.db == db && s.key == key && !s.dropped {
             s.dropped = true;
+            s.dropped_by = completed;
         }
     }
     let free = match streams.iter().position(|s| !s.in_use) {
         Some(i) => Some(i),
-        None => reclaim_dropped(&locked),
+        None => reclaim_dropped(&locked, horizon),
     };
     let Some(i) = free else {
         return Err(Error::RegistryFull {
@@ -108,6 +116,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.in_use = true;
     s.loaded = false;
     s.dropped = false;
+    s.dropped_by = pg_sys::InvalidTransactionId;
     s.db = db;
     s.key = key;
     s.seq = seq;
@@ -129,19 +138,29 @@ fn forget_dropped_databases() -> Result<(), Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
     for s in locked.streams().iter_mut() {
         if s.in_use && !existing.contains(&s.db) {
+            // Nobody is connected to a database that no longer exists.
             s.dropped = true;
+            s.dropped_by = pg_sys::InvalidTransactionId;
         }
     }
     Ok(())
 }
 
-/// A dropped stream's state can be reused once nothing refers to it.
-fn reclaim_dropped(locked: &Locked) -> Option<usize> {
+/// A dropped stream's state can be reused once nothing refers to it: no
+/// entry, and no snapshot that may still see the stream (a cursor, a
+/// REPEATABLE READ transaction or an imported snapshot from before the
+/// drop asks about it, and its answer comes from this state).
+fn reclaim_dropped(locked: &Locked, horizon: TransactionId) -> Option<usize> {
     let candidates: Vec<usize> = locked
         .streams()
         .iter()
         .enumerate()
-        .filter(|(_, s)| s.in_use && s.dropped)
+        .filter(|(_, s)| {
+            s.in_use
+                && s.dropped
+                && (s.dropped_by == pg_sys::InvalidTransactionId
+                    || super::visibility::precedes(s.dropped_by, horizon))
+        })
         .map(|(i, _)| i)
         .collect();
     'next: for i in candidates {
@@ -169,10 +188,22 @@ fn reclaim_dropped(locked: &Locked) -> Option<usize> {
 /// read before any allocation since start-up is exact.
 /// `stored_writers`: instances with a stored position, remembered as seen
 /// so that tokens list them without reading the table on every call.
-pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> Result<(), Error> {
+/// False when state `index` is no longer the stream's (it was dropped and
+/// the state given to another stream while the sequence was read): the
+/// value read belongs to another sequence, and the caller looks again.
+pub fn set_loaded(
+    index: usize,
+    key: i32,
+    seq: pg_sys::Oid,
+    max_allocated: i64,
+    stored_writers: &[i32],
+) -> Result<bool, Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
     let may_lack_history = locked.h().may_lack_history;
     let s = &mut locked.streams()[index];
+    if !is_state_of(s, key, seq) {
+        return Ok(false);
+    }
     if !s.loaded {
         s.loaded = true;
         s.max_allocated = max_allocated;
@@ -184,13 +215,15 @@ pub fn set_loaded(index: usize, max_allocated: i64, stored_writers: &[i32]) -> R
             }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Mark streams of this database dropped (their keys are never reused), from
 /// the commit callback of the transaction that dropped them: nothing here
 /// raises an ERROR or allocates. Until that commit the stream lives on.
-pub fn mark_dropped_at_commit(keys: &[i32]) {
+/// `xid`: the dropping transaction (snapshots that do not see it may still
+/// ask about the stream).
+pub fn mark_dropped_at_commit(keys: &[i32], xid: TransactionId) {
     // SAFETY: HEADER is checked non-null (it is set once at start-up); the
     // states are touched under the registry lock; MyDatabaseId is set once
     // the backend is connected.
@@ -203,6 +236,7 @@ pub fn mark_dropped_at_commit(keys: &[i32]) {
         for s in locked.streams().iter_mut() {
             if s.in_use && s.db == db && keys.contains(&s.key) {
                 s.dropped = true;
+                s.dropped_by = xid;
             }
         }
     }

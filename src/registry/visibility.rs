@@ -243,6 +243,11 @@ pub fn prune() -> Result<(), Error> {
         if s.summary.valid && s.summary.lsn <= durable && precedes(s.summary.max_xid, horizon) {
             s.summary.valid = false;
         }
+        // Every snapshot sees the drop now: forget its xid before xid
+        // wraparound could make it look recent again.
+        if s.dropped_by != pg_sys::InvalidTransactionId && precedes(s.dropped_by, horizon) {
+            s.dropped_by = pg_sys::InvalidTransactionId;
+        }
     }
     Ok(())
 }

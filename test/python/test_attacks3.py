@@ -1,7 +1,8 @@
 """Third round of attacks, on the lock-free readers: `frontier()` and the
 other readers copy the registry as seqlock readers, while the allocation
 sections add entries without moving the seqlock counter and an ending
-transaction swaps its slot out of the active list.
+transaction swaps its slot out of the active list. Last, a repair by
+`check_stream` racing writers (found by the Python client's example run).
 
 As in test_attacks.py, each test is one attack. A test whose docstring says
 BREAKS fails on the code it was written against; a test that says
@@ -225,3 +226,48 @@ def test_lock_free_readers_miss_no_row_while_many_slots_start_and_end(db, connec
             missed.append((kind, f, sorted(expected - seen), sorted(seen - expected)))
     assert not missed, f"{len(missed)} samples missed committed rows, e.g. {missed[:5]}"
     assert len({f for _, f, _ in samples}) > 20
+
+
+def test_a_repair_racing_writers_never_moves_the_sequence_back(db, connect, stream, pool):
+    """BREAKS (0.2.0 before the fix; found when the Python client's
+    generators, which repair at start-up, met other processes' writers):
+    `check_stream(…, repair => true)` read the sequence, then the tables and
+    the registry. Rows committed in between looked like a sequence lagging
+    behind them, and setval moved the sequence back to them: the next
+    allocation got an ID already handed out (refused by the per-ID check,
+    55000). A repair now holds the sequence against allocation and checks
+    again before it moves anything."""
+    create_stream(db, stream)
+    table = f"{stream}_rows"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, writer text)")
+    db.execute("SELECT streampos.add_table(%s, %s::regclass, 'id', 'writer')", (stream, table))
+    stop = time.monotonic() + 4
+    errors, committed = [], []
+
+    def writer():
+        conn = connect()
+        while time.monotonic() < stop:
+            try:
+                with conn.transaction():
+                    new = next_id(conn, stream, "w1")
+                    conn.execute(f"INSERT INTO {table} VALUES (%s, 'w1')", (new,))
+                committed.append(new)
+            except psycopg.Error as e:
+                errors.append(f"{e.sqlstate}: {e.diag.message_primary}")
+        return 0
+
+    def repairer():
+        conn = connect()
+        repairs = 0
+        while time.monotonic() < stop:
+            rows(conn, "SELECT * FROM streampos.check_stream(%s, repair => true)", (stream,))
+            repairs += 1
+        return repairs
+
+    futures = [pool.submit(writer) for _ in range(4)] + [pool.submit(repairer) for _ in range(2)]
+    repairs = sum(f.result(timeout=60) for f in futures)
+    assert repairs > 10 and len(committed) > 100, (repairs, len(committed))
+    assert not errors, f"{len(errors)} allocations failed, e.g. {errors[:3]}"
+    assert len(set(committed)) == len(committed)
+    assert one(db, f"SELECT count(*) FROM {table}") == len(committed)
+    assert one(db, "SELECT streampos.max_allocated(%s)", (stream,)) == max(committed)
