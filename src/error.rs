@@ -119,6 +119,8 @@ pub enum Error {
     NotPermanent { seq: String, unlogged: bool },
     #[error("permission denied to allocate IDs of stream \"{stream}\"")]
     MayNotAllocate { stream: Name, seq: String },
+    #[error("permission denied to repair stream \"{stream}\"")]
+    MayNotRepair { stream: Name, seq: String },
     #[error("column \"{column}\" of relation {table} does not exist")]
     UnknownColumn { column: Name, table: String },
     #[error("cannot wait for stream positions on a hot standby")]
@@ -178,6 +180,7 @@ impl Error {
             Error::NotASequence(_) => Code::ERRCODE_INVALID_PARAMETER_VALUE,
             Error::NotPermanent { .. } => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             Error::MayNotAllocate { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            Error::MayNotRepair { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::Retry { .. } => Code::ERRCODE_T_R_SERIALIZATION_FAILURE,
             Error::Internal(_) => Code::ERRCODE_INTERNAL_ERROR,
@@ -211,6 +214,9 @@ impl Error {
             }),
             Error::MayNotAllocate { seq, .. } => Some(format!(
                 "Allocating needs USAGE or UPDATE on the stream's sequence {seq}, as nextval() does."
+            )),
+            Error::MayNotRepair { seq, .. } => Some(format!(
+                "Moving the stream's sequence {seq} forward needs UPDATE on it, as setval() does."
             )),
             Error::AheadOfServer {
                 highest,

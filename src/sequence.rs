@@ -118,6 +118,27 @@ pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
     }
 }
 
+/// Refuse a repair the caller may not make, before it holds the sequence
+/// against allocation: `setval` needs UPDATE, and a caller without it must
+/// not be able to block the stream's writers.
+pub fn check_may_repair(seq: pg_sys::Oid, stream: &str) {
+    // SAFETY: as in `check_may_allocate`.
+    let result = unsafe {
+        pg_sys::pg_class_aclcheck(
+            seq,
+            ffi::unguarded::GetUserId(),
+            pg_sys::ACL_UPDATE as pg_sys::AclMode,
+        )
+    };
+    if result != pg_sys::AclResult::ACLCHECK_OK {
+        Error::MayNotRepair {
+            stream: stream.into(),
+            seq: sql::relation_name(seq),
+        }
+        .report();
+    }
+}
+
 /// A stream's sequence opened for one allocation: checked usable (a
 /// sequence, permanent), and held (RowExclusiveLock, as `nextval` takes it,
 /// until the transaction ends; `nextval`'s own lock request then finds it

@@ -34,8 +34,10 @@ pub(super) fn check_stream(
     // a repair holds the sequence against allocation (EXCLUSIVE, as
     // drop_stream: it waits for the transactions allocating from it and
     // blocks new ones until this transaction ends) and checks again: now
-    // nothing else moves it.
+    // nothing else moves it. Only a caller that may move it (UPDATE, as
+    // setval needs) may hold it.
     if repair && checked.needed > checked.seq_max {
+        sequence::check_may_repair(meta.seq, stream);
         sequence::lock_against_allocation(meta.seq);
         checked = checks(&meta);
     }

@@ -924,6 +924,30 @@ def test_the_intruders_locks_on_the_catalog_block_nothing(db, intruder, stream):
         intruder.execute("ROLLBACK")
 
 
+def test_the_intruders_repair_does_not_queue_for_the_sequence(db, connect, intruder, stream):
+    """WITHSTANDS (written with the fix that makes a repair hold the
+    sequence against allocation). A lock request queues ahead of later ones:
+    a repair waiting for a long writer would stop every other writer of the
+    stream behind it. A role that may not move the sequence (no UPDATE, as
+    setval needs) is refused (42501) before it asks for the lock."""
+    create_stream(db, stream)
+    table = f'"{stream}_t"'
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    db.execute(f"GRANT SELECT ON {table} TO {ATTACKER}")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id')", (stream, f"{stream}_t"))
+    db.execute(f"INSERT INTO {table} VALUES (10)")  # the sequence lags behind
+    writer = connect()
+    writer.execute("BEGIN")
+    assert one(writer, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 1
+    try:
+        intruder.execute("SET lock_timeout = '2s'")
+        started = time.monotonic()
+        expect_error(intruder, "SELECT * FROM streampos.check_stream(%s, repair => true)", (stream,), "42501")
+        assert time.monotonic() - started < 1.5, "the refused repair waited for the writer"
+    finally:
+        writer.execute("ROLLBACK")
+
+
 def test_prepare_after_an_allocation_rolled_back_to_a_savepoint_is_refused(db, connect, stream):
     """WITHSTANDS. IDs of a rolled-back savepoint stay in flight until the
     top-level transaction ends, so PREPARE TRANSACTION is still refused
