@@ -31,25 +31,28 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
     if in_recovery() {
         Error::ReadOnly("during recovery").report();
     }
-    for _ in 0..3 {
-        let (index, loaded) = registry::stream_index(meta.key, meta.seq).or_raise();
-        if loaded {
-            return index;
-        }
-        // IDs are positive: a sequence altered below 1 has handed out none.
-        let max = sequence::max_allocated(meta.seq).max(0);
-        let stored: Vec<i32> = sql::stored_positions(&meta.name)
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect();
-        if registry::set_loaded(index, meta.key, meta.seq, max, &stored).or_raise() {
-            return index;
-        }
+    let (index, loaded) = registry::stream_index(meta.key, meta.seq).or_raise();
+    if loaded {
+        return index;
     }
-    dropped_concurrently(meta)
+    // IDs are positive: a sequence altered below 1 has handed out none.
+    let max = sequence::max_allocated(meta.seq).max(0);
+    let stored: Vec<i32> = sql::stored_positions(&meta.name)
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    // False: the state went to another stream meanwhile, which only
+    // happens to a dropped stream's state (looking again would take a
+    // state for a stream that is gone).
+    if !registry::set_loaded(index, meta.key, meta.seq, max, &stored).or_raise() {
+        dropped_concurrently(meta)
+    }
+    index
 }
 
-fn dropped_concurrently(meta: &StreamMeta) -> ! {
+/// 40001: the stream was dropped (or dropped and created again) while this
+/// call was using it.
+pub fn dropped_concurrently(meta: &StreamMeta) -> ! {
     Error::Retry {
         message: format!(
             "stream \"{}\" was dropped concurrently",

@@ -39,6 +39,11 @@ pub(super) fn check_stream(
     if repair && checked.needed > checked.seq_max {
         sequence::check_may_repair(meta.seq, stream);
         sequence::lock_against_allocation(meta.seq);
+        // A drop_stream that held the sequence first has committed by now.
+        let now = catalog::stream_latest(stream).or_raise();
+        if now.key != meta.key || now.seq != meta.seq {
+            engine::dropped_concurrently(&meta);
+        }
         checked = checks(&meta);
     }
     let Checked {
@@ -126,14 +131,31 @@ fn checks(meta: &catalog::StreamMeta) -> Checked {
         ),
     ));
 
+    // What anything holds first, the sequence last: every ID read above
+    // was handed out before the sequence is read, so with writers running
+    // nothing looks ahead of it unless it really lags (and a repair takes
+    // the lock only then).
+    let tables: Vec<(String, i64)> = sql::stream_tables(stream)
+        .into_iter()
+        .map(|table| {
+            let highest = sql::table_max_id(&table, meta.backwards).unwrap_or(0);
+            (table.name, highest)
+        })
+        .collect();
+    let unusable = sql::unusable_stream_tables(stream);
+    let stored = sql::max_stored_position(stream).unwrap_or(0);
+    // What this server handed out since start-up: a sequence moved back
+    // below it (setval) would hand those IDs out again.
+    let allocated = (registry::is_loaded() && !in_recovery())
+        .then(|| engine::answer(meta).positions.max_allocated);
     let seq_max = sequence::max_allocated(meta.seq);
+
     let mut needed = seq_max;
-    for table in sql::stream_tables(stream) {
-        let highest = sql::table_max_id(&table, meta.backwards).unwrap_or(0);
+    for (name, highest) in tables {
         let ok = highest <= seq_max;
         needed = needed.max(highest);
         rows.push((
-            format!("table {}", table.name),
+            format!("table {name}"),
             ok,
             if ok {
                 format!(
@@ -153,7 +175,7 @@ fn checks(meta: &catalog::StreamMeta) -> Checked {
     // Registered tables that updates() skips: dropped ones are forgotten by
     // a repair; one that lost its column needs add_table() again.
     let mut forget = Vec::new();
-    for (oid, problem) in sql::unusable_stream_tables(stream) {
+    for (oid, problem) in unusable {
         let dropped = problem == "was dropped";
         if dropped {
             forget.push(oid);
@@ -171,7 +193,6 @@ fn checks(meta: &catalog::StreamMeta) -> Checked {
             ),
         ));
     }
-    let stored = sql::max_stored_position(stream).unwrap_or(0);
     let ok = stored <= seq_max;
     needed = needed.max(stored);
     rows.push((
@@ -190,10 +211,7 @@ fn checks(meta: &catalog::StreamMeta) -> Checked {
             )
         },
     ));
-    // What this server handed out since start-up: a sequence moved back
-    // below it (setval) would hand those IDs out again.
-    if registry::is_loaded() && !in_recovery() {
-        let allocated = engine::answer(meta).positions.max_allocated;
+    if let Some(allocated) = allocated {
         let ok = allocated <= seq_max;
         needed = needed.max(allocated);
         rows.push((

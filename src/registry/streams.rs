@@ -82,11 +82,16 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
         forget_dropped_databases()?;
     }
     // Read before the lock (they take PostgreSQL's own locks): every
-    // snapshot has an xmin at or past `horizon`; `completed` is at or past
-    // any transaction that committed before this call.
-    // SAFETY: computes the shared horizon; raises no error.
-    let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(std::ptr::null_mut()) };
-    let completed = super::visibility::latest_completed();
+    // snapshot has an xmin at or past `horizon`; every transaction that
+    // dropped something before this call, this one included, is below
+    // `next`.
+    // SAFETY: compute the shared horizon and read the next xid; no error.
+    let (horizon, next) = unsafe {
+        (
+            pg_sys::GetOldestNonRemovableTransactionId(std::ptr::null_mut()),
+            pg_sys::ReadNextTransactionId(),
+        )
+    };
     let locked = Locked::acquire(Section::OtherExclusive)?;
     let streams = locked.streams();
     if let Some(i) = streams.iter().position(|s| is_state_of(s, key, seq)) {
@@ -97,7 +102,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     for s in streams.iter_mut() {
         if s.in_use && s.db == db && s.key == key && !s.dropped {
             s.dropped = true;
-            s.dropped_by = completed;
+            s.dropped_by = next;
         }
     }
     let free = match streams.iter().position(|s| !s.in_use) {

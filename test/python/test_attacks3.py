@@ -24,6 +24,7 @@ import psycopg
 from support import (
     CATCH_UP_SECONDS,
     backend_pid,
+    commit_ids,
     create_stream,
     durable_commit,
     frontier,
@@ -235,12 +236,20 @@ def test_a_repair_racing_writers_never_moves_the_sequence_back(db, connect, stre
     the registry. Rows committed in between looked like a sequence lagging
     behind them, and setval moved the sequence back to them: the next
     allocation got an ID already handed out (refused by the per-ID check,
-    55000). A repair now holds the sequence against allocation and checks
-    again before it moves anything."""
+    55000). A repair now reads the sequence last, and when it must move
+    it, holds it against allocation and checks again. A writer holding an
+    ID throughout shows that a repair with nothing to repair does not ask
+    for that lock (it would wait for the holder: 55P03 here)."""
     create_stream(db, stream)
     table = f"{stream}_rows"
     db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, writer text)")
     db.execute("SELECT streampos.add_table(%s, %s::regclass, 'id', 'writer')", (stream, table))
+    # The writer's instance exists first: a transaction creating it would
+    # make every other first use of the name wait for its end.
+    commit_ids(db, stream, "w1")
+    holder = connect()
+    holder.execute("BEGIN")
+    next_id(holder, stream, "w1")
     stop = time.monotonic() + 4
     errors, committed = [], []
 
@@ -258,16 +267,23 @@ def test_a_repair_racing_writers_never_moves_the_sequence_back(db, connect, stre
 
     def repairer():
         conn = connect()
+        conn.execute("SET lock_timeout = '1s'")
         repairs = 0
         while time.monotonic() < stop:
-            rows(conn, "SELECT * FROM streampos.check_stream(%s, repair => true)", (stream,))
-            repairs += 1
+            try:
+                rows(conn, "SELECT * FROM streampos.check_stream(%s, repair => true)", (stream,))
+                repairs += 1
+            except psycopg.Error as e:
+                errors.append(f"repair: {e.sqlstate}: {e.diag.message_primary}")
         return repairs
 
     futures = [pool.submit(writer) for _ in range(4)] + [pool.submit(repairer) for _ in range(2)]
-    repairs = sum(f.result(timeout=60) for f in futures)
+    try:
+        repairs = sum(f.result(timeout=60) for f in futures)
+    finally:
+        holder.execute("ROLLBACK")
     assert repairs > 10 and len(committed) > 100, (repairs, len(committed))
-    assert not errors, f"{len(errors)} allocations failed, e.g. {errors[:3]}"
+    assert not errors, f"{len(errors)} calls failed, e.g. {errors[:3]}"
     assert len(set(committed)) == len(committed)
     assert one(db, f"SELECT count(*) FROM {table}") == len(committed)
-    assert one(db, "SELECT streampos.max_allocated(%s)", (stream,)) == max(committed)
+    assert one(db, "SELECT streampos.max_allocated(%s)", (stream,)) >= max(committed)
