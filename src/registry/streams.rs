@@ -195,7 +195,7 @@ fn reclaim_dropped(locked: &Locked, horizon: TransactionId) -> Option<usize> {
 /// so that tokens list them without reading the table on every call.
 /// False when state `index` is no longer the stream's (it was dropped and
 /// the state given to another stream while the sequence was read): the
-/// value read belongs to another sequence, and the caller looks again.
+/// value read belongs to another sequence, and the stream is gone.
 pub fn set_loaded(
     index: usize,
     key: i32,
