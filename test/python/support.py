@@ -112,6 +112,18 @@ def writer_position(conn, stream, writer):
     return one(conn, "SELECT streampos.writer_position(%s, %s)", (stream, writer))
 
 
+def samples_missing_rows(samples, final):
+    """The (kind, frontier, rows) samples whose rows are not exactly the
+    final committed rows at or below their frontier, as (kind, frontier,
+    missed, extra)."""
+    missed = []
+    for kind, f, seen in samples:
+        expected = frozenset(i for i in final if i <= f)
+        if seen != expected:
+            missed.append((kind, f, sorted(expected - seen), sorted(seen - expected)))
+    return missed
+
+
 def sequence_value(conn, seq):
     """The sequence's last handed-out value (last_value, or one less when
     is_called is false)."""

@@ -34,6 +34,7 @@ from support import (
     next_ids,
     one,
     rows,
+    samples_missing_rows,
     wait_until,
     writer_position,
 )
@@ -220,11 +221,7 @@ def test_lock_free_readers_miss_no_row_while_many_slots_start_and_end(db, connec
     assert counts["commit"] > 100 and counts["rollback"] > 10 and counts["terminated"] > 0, counts
     kinds = {k for k, _, _ in samples}
     assert kinds == {"rc", "rr"} and len(samples) > 100
-    missed = []
-    for kind, f, seen in samples:
-        expected = frozenset(i for i in final if i <= f)
-        if seen != expected:
-            missed.append((kind, f, sorted(expected - seen), sorted(seen - expected)))
+    missed = samples_missing_rows(samples, final)
     assert not missed, f"{len(missed)} samples missed committed rows, e.g. {missed[:5]}"
     assert len({f for _, f, _ in samples}) > 20
 

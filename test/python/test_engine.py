@@ -33,6 +33,7 @@ from support import (
     next_ids,
     one,
     rows,
+    samples_missing_rows,
     sequence_value,
     stored_positions,
     wait_until,
@@ -510,11 +511,7 @@ def test_no_missed_rows_with_random_concurrent_writers_and_readers(connect, db, 
     kinds = {k for k, _, _ in samples}
     assert kinds == {"rc", "rr"} and len(samples) > 100
 
-    missed = []
-    for kind, f, seen in samples:
-        expected = frozenset(i for i in final if i <= f)
-        if seen != expected:
-            missed.append((kind, f, sorted(expected - seen), sorted(seen - expected)))
+    missed = samples_missing_rows(samples, final)
     assert not missed, f"{len(missed)} samples missed committed rows, e.g. {missed[:5]}"
     # The samples were not all trivial: readers saw the frontier move.
     assert len({f for _, f, _ in samples}) > 5
