@@ -124,6 +124,36 @@ def samples_missing_rows(samples, final):
     return missed
 
 
+def paused_next_id(pool, observer, conn, stream, writer, delay_ms):
+    """Start next_id on `conn` in a transaction of its own, paused for
+    `delay_ms` after it published its lower bound (test-hooks build), and
+    return once `observer` sees that lower bound in in_flight(): (the call's
+    future, when it started)."""
+    conn.execute(f"SET streampos.test_allocation_delay_ms = {int(delay_ms)}")
+    pid = backend_pid(conn)
+    conn.execute("BEGIN")
+    started = time.monotonic()
+    future = pool.submit(next_id, conn, stream, writer)
+    wait_until(
+        lambda: [r for r in in_flight(observer, stream) if r[1] == pid],
+        timeout=2,
+        interval=0.002,
+        message="the paused allocation's lower bound in in_flight()",
+    )
+    return future, started
+
+
+def ensure_login_role(name):
+    """A LOGIN role `name` with nothing beyond PUBLIC's privileges (created
+    unless it exists); returns its name."""
+    with connect_raw() as admin:
+        admin.execute(
+            f"DO $$ BEGIN CREATE ROLE {name} LOGIN; "
+            f"EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+        )
+    return name
+
+
 def sequence_value(conn, seq):
     """The sequence's last handed-out value (last_value, or one less when
     is_called is false)."""

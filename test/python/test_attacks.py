@@ -24,6 +24,7 @@ from support import (
     commit_ids,
     connect_raw,
     create_stream,
+    ensure_login_role,
     expect_error,
     frontier,
     one,
@@ -38,12 +39,7 @@ ATTACKER = "streampos_intruder"
 @pytest.fixture(scope="module")
 def intruder_role(database):
     """A LOGIN role with nothing beyond PUBLIC's privileges."""
-    with connect_raw() as admin:
-        admin.execute(
-            f"DO $$ BEGIN CREATE ROLE {ATTACKER} LOGIN; "
-            f"EXCEPTION WHEN duplicate_object THEN NULL; END $$"
-        )
-    yield ATTACKER
+    return ensure_login_role(ATTACKER)
 
 
 @pytest.fixture

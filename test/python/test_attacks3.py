@@ -33,6 +33,7 @@ from support import (
     next_id,
     next_ids,
     one,
+    paused_next_id,
     rows,
     samples_missing_rows,
     wait_until,
@@ -66,17 +67,7 @@ def test_a_paused_allocation_holds_while_its_slot_moves_in_the_active_list(db, c
     durable_commit(db)
     assert hold_id(b, stream, wb) == 4
     assert hold_id(c, stream, wc) == 5
-    a.execute("SET streampos.test_allocation_delay_ms = 3000")
-    pid_a = backend_pid(a)
-    a.execute("BEGIN")
-    started = time.monotonic()
-    fut = pool.submit(next_id, a, stream, wa)
-    wait_until(
-        lambda: [r for r in in_flight(db, stream) if r[1] == pid_a],
-        timeout=2,
-        interval=0.002,
-        message="A's lower bound in in_flight()",
-    )
+    fut, started = paused_next_id(pool, db, a, stream, wa, 3000)
     # A's lower bound is 6: nothing can pass 5 while A is paused.
     durable_commit(b)
     assert frontier(db, stream) == 4

@@ -32,6 +32,7 @@ from support import (
     next_id,
     next_ids,
     one,
+    paused_next_id,
     rows,
     samples_missing_rows,
     sequence_value,
@@ -533,17 +534,7 @@ def test_lower_bound_is_published_before_nextval(connect, db, stream, pool):
     m = 3
 
     a, b = connect(), connect()
-    a.execute("SET streampos.test_allocation_delay_ms = 500")
-    pid_a = backend_pid(a)
-    a.execute("BEGIN")
-    started = time.monotonic()
-    fut = pool.submit(next_id, a, stream, wa)
-    wait_until(
-        lambda: [r for r in in_flight(db, stream) if r[1] == pid_a],
-        timeout=2,
-        interval=0.002,
-        message="A's lower bound in in_flight()",
-    )
+    fut, started = paused_next_id(pool, db, a, stream, wa, 500)
     b.execute("BEGIN")
     assert next_id(b, stream, wb) == m + 1
     durable_commit(b)

@@ -15,6 +15,7 @@ from support import (
     commit_ids,
     connect_raw,
     create_stream,
+    ensure_login_role,
     expect_error,
     one,
     rows,
@@ -28,12 +29,7 @@ ATTACKER = "streampos_attacker"
 @pytest.fixture(scope="module")
 def attacker_role(database):
     """A LOGIN role with no privilege beyond PUBLIC's."""
-    with connect_raw() as admin:
-        admin.execute(
-            f"DO $$ BEGIN CREATE ROLE {ATTACKER} LOGIN; "
-            f"EXCEPTION WHEN duplicate_object THEN NULL; END $$"
-        )
-    yield ATTACKER
+    return ensure_login_role(ATTACKER)
 
 
 @pytest.fixture
