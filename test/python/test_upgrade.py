@@ -13,7 +13,7 @@ import pytest
 
 from support import connect_raw, one, rows
 
-CURRENT = "0.2.0"
+CURRENT = "0.3.0"
 
 
 def catalog(conn):
