@@ -1,2 +1,14 @@
 -- streampos 0.2.0 -> 0.3.0
 \echo Use "ALTER EXTENSION streampos UPDATE TO '0.3.0'" to load this file. \quit
+
+-- A hot standby's frontier: stored with the writer positions of the same
+-- snapshot by the position worker (stored positions alone name only the
+-- writers the worker can name).
+CREATE TABLE streampos.stream_frontiers (
+    stream_name text PRIMARY KEY REFERENCES streampos.streams ON DELETE CASCADE ON UPDATE CASCADE,
+    stream_id bigint NOT NULL
+);
+SELECT pg_catalog.pg_extension_config_dump('streampos.stream_frontiers', '');
+GRANT SELECT ON streampos.stream_frontiers TO PUBLIC;
+COMMENT ON TABLE streampos.stream_frontiers IS
+    'Durable frontiers, written by the background worker with the positions: a hot standby''s frontier';

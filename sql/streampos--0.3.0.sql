@@ -56,17 +56,27 @@ CREATE TABLE stream_positions (
     PRIMARY KEY (stream_name, instance_name)
 );
 
+-- The durable record of each stream's frontier, stored by the background
+-- worker with the writer positions of the same snapshot: a hot standby's
+-- frontier (stored positions name only the writers the worker can name,
+-- not one whose first transaction is still open, nor one no longer listed).
+CREATE TABLE stream_frontiers (
+    stream_name text PRIMARY KEY REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
+    stream_id bigint NOT NULL
+);
+
 SELECT pg_catalog.pg_extension_config_dump('instances', '');
 SELECT pg_catalog.pg_extension_config_dump('instances_instance_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('streams', '');
 SELECT pg_catalog.pg_extension_config_dump('streams_stream_key_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('stream_tables', '');
 SELECT pg_catalog.pg_extension_config_dump('stream_positions', '');
+SELECT pg_catalog.pg_extension_config_dump('stream_frontiers', '');
 
 -- Every role may read the catalog. Only the extension's functions write it
 -- (as the extension's owner); see finalize.sql for who may call them.
 GRANT USAGE ON SCHEMA streampos TO PUBLIC;
-GRANT SELECT ON instances, streams, stream_tables, stream_positions TO PUBLIC;
+GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers TO PUBLIC;
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -1046,6 +1056,8 @@ COMMENT ON TABLE streams IS 'Streams: their sequence, direction and writers (NUL
 COMMENT ON TABLE stream_tables IS 'Tables whose rows carry a stream''s IDs';
 COMMENT ON TABLE stream_positions IS
     'Durable writer positions, written by the background worker: never ahead of the truth';
+COMMENT ON TABLE stream_frontiers IS
+    'Durable frontiers, written by the background worker with the positions: a hot standby''s frontier';
 
 COMMENT ON FUNCTION stream_pos(room_stream_token) IS 'The minimum position: every writer is at least here';
 COMMENT ON FUNCTION stream_pos(multi_writer_token) IS 'The minimum position: every writer is at least here';

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use pgrx::pg_sys;
-use streampos_core::frontier::{HeldBy, Holder, Positions};
+use streampos_core::frontier::Positions;
 
 use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
@@ -109,10 +109,16 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     // ERROR, which is fine here.
     let xid = unsafe { pg_sys::GetTopTransactionId() };
     let (index, allocation) = with_index(&meta, |index| {
-        Ok(
-            registry::begin_allocation(index, meta.key, meta.seq, instance, writer, xid)?
-                .map(|allocation| (index, allocation)),
-        )
+        Ok(registry::begin_allocation(
+            index,
+            meta.key,
+            meta.seq,
+            instance,
+            writer,
+            meta.writers.is_none(),
+            xid,
+        )?
+        .map(|allocation| (index, allocation)))
     });
     guc::test_pause_in_allocation();
     let (mut ids, lsn) = sequence.next_values(n);
@@ -280,13 +286,27 @@ impl SnapshotContents {
 
 /// Answers already given in this transaction, per snapshot contents and
 /// stream. See `docs/design.md`, "One answer per snapshot".
+///
+/// An answer is kept exactly as long as a snapshot that may ask for it
+/// again lives: each snapshot that asked is registered here (on the
+/// transaction's resource owner), which keeps its memory valid, and an
+/// entry goes once nobody but us holds any of its snapshots (registered
+/// nowhere else and not active) and its contents are not the
+/// transaction's own snapshot (REPEATABLE READ, SERIALIZABLE). Memory is
+/// what PostgreSQL keeps alive, never a number of answers: a cursor or an
+/// outer statement keeps its answer whatever ran in between.
 struct AnswerCache {
     /// The local transaction id the answers belong to.
     lxid: u32,
     /// By contents hash; collisions are told apart by the full contents.
     entries: FastMap<u64, Vec<CacheEntry>>,
     len: usize,
-    clock: u64,
+    /// Dead entries are swept when `len` reaches this.
+    sweep_at: usize,
+    /// The transaction is committing or preparing: everything was
+    /// released, and nothing more may be registered (a snapshot still
+    /// registered then is a leak PostgreSQL warns about).
+    closed: bool,
 }
 
 struct CacheEntry {
@@ -294,21 +314,25 @@ struct CacheEntry {
     /// (stream key, sequence) and the answer: a snapshot is asked about a
     /// few streams at most, so a list is quicker than a map.
     answers: Vec<((i32, pg_sys::Oid), Rc<Answer>)>,
-    last_used: u64,
+    /// The snapshots with these contents that asked, each registered here
+    /// once.
+    holds: Vec<pg_sys::Snapshot>,
+    /// Asked with a snapshot that cannot be registered (not a copy, e.g.
+    /// the static one of a function called without an active snapshot):
+    /// kept to the end of the transaction.
+    pinned: bool,
 }
 
-/// Distinct snapshots remembered per transaction. Beyond it the least
-/// recently used is forgotten: a snapshot that is used again after this
-/// many others were (a cursor read between that many other statements)
-/// gets its answer again, which may then be higher.
-const MAX_CACHED_SNAPSHOTS: usize = 8192;
+/// Sweeps start at this many entries; afterwards at twice what survived.
+const FIRST_SWEEP: usize = 8;
 
 thread_local! {
     static ANSWERS: RefCell<AnswerCache> = RefCell::new(AnswerCache {
         lxid: 0,
         entries: FastMap::default(),
         len: 0,
-        clock: 0,
+        sweep_at: FIRST_SWEEP,
+        closed: false,
     });
 }
 
@@ -317,78 +341,173 @@ fn current_lxid() -> u32 {
     unsafe { (*pg_sys::MyProc).lxid }
 }
 
+/// Does anyone but the cache still hold `s` (registered elsewhere, or on
+/// the active snapshot stack)?
+///
+/// # Safety
+/// `s` is registered by the cache, so its memory is valid.
+unsafe fn held_elsewhere(s: pg_sys::Snapshot) -> bool {
+    // SAFETY: forwarded from the caller.
+    unsafe { (*s).regd_count > 1 || (*s).active_count > 0 }
+}
+
 impl AnswerCache {
-    fn get(
-        &mut self,
-        hash: u64,
-        s: &pg_sys::SnapshotData,
-        stream: (i32, pg_sys::Oid),
-    ) -> Option<Rc<Answer>> {
+    /// Start over when a new transaction asks (the previous one's
+    /// snapshots are gone, and so are our registrations: commit released
+    /// them in `release_all`, abort with the transaction's resource owner).
+    fn for_this_transaction(&mut self) {
         let lxid = current_lxid();
         if self.lxid != lxid {
             self.entries.clear();
             self.len = 0;
+            self.sweep_at = FIRST_SWEEP;
+            self.closed = false;
             self.lxid = lxid;
         }
-        self.clock += 1;
-        let clock = self.clock;
-        let entry = self
-            .entries
+    }
+
+    fn find(&mut self, hash: u64, s: &pg_sys::SnapshotData) -> Option<&mut CacheEntry> {
+        self.entries
             .get_mut(&hash)?
             .iter_mut()
-            .find(|e| e.contents.same_as(s))?;
-        entry.last_used = clock;
-        entry
+            .find(|e| e.contents.same_as(s))
+    }
+
+    /// Make `snapshot` keep `entry` alive.
+    fn hold(closed: bool, entry: &mut CacheEntry, snapshot: pg_sys::Snapshot) {
+        if entry.holds.contains(&snapshot) {
+            return;
+        }
+        // SAFETY: a valid snapshot of this transaction.
+        if closed || unsafe { !(*snapshot).copied } {
+            entry.pinned = true;
+            return;
+        }
+        // SAFETY: a copied snapshot is registered as it is (no copy is
+        // made), on the transaction's resource owner, which exists while
+        // the transaction runs SQL; it is unregistered by `sweep` or
+        // `release_all`, or by the transaction's abort.
+        unsafe {
+            pg_sys::RegisterSnapshotOnOwner(snapshot, pg_sys::TopTransactionResourceOwner);
+        }
+        entry.holds.push(snapshot);
+    }
+
+    fn get(
+        &mut self,
+        hash: u64,
+        snapshot: pg_sys::Snapshot,
+        stream: (i32, pg_sys::Oid),
+    ) -> Option<Rc<Answer>> {
+        self.for_this_transaction();
+        let closed = self.closed;
+        // SAFETY: a valid snapshot of this transaction.
+        let entry = self.find(hash, unsafe { &*snapshot })?;
+        let answer = entry
             .answers
             .iter()
             .find(|(s, _)| *s == stream)
-            .map(|(_, a)| a.clone())
+            .map(|(_, a)| a.clone())?;
+        // Another snapshot with the same contents: it keeps the answer too.
+        Self::hold(closed, entry, snapshot);
+        Some(answer)
     }
 
     fn put(
         &mut self,
         hash: u64,
-        s: &pg_sys::SnapshotData,
+        snapshot: pg_sys::Snapshot,
         stream: (i32, pg_sys::Oid),
         answer: Rc<Answer>,
     ) {
-        let clock = self.clock;
-        if let Some(entry) = self
-            .entries
-            .get_mut(&hash)
-            .and_then(|v| v.iter_mut().find(|e| e.contents.same_as(s)))
-        {
+        let closed = self.closed;
+        // SAFETY: a valid snapshot of this transaction.
+        let s = unsafe { &*snapshot };
+        if let Some(entry) = self.find(hash, s) {
             // Only called after `get` found no answer for this stream.
             entry.answers.push((stream, answer));
+            Self::hold(closed, entry, snapshot);
             return;
         }
-        if self.len >= MAX_CACHED_SNAPSHOTS {
-            self.evict_least_recent();
+        if self.len >= self.sweep_at {
+            self.sweep();
+            self.sweep_at = FIRST_SWEEP.max(2 * self.len);
         }
-        self.entries.entry(hash).or_default().push(CacheEntry {
+        let mut entry = CacheEntry {
             contents: SnapshotContents::of(s),
             answers: vec![(stream, answer)],
-            last_used: clock,
-        });
+            holds: Vec::new(),
+            pinned: false,
+        };
+        Self::hold(closed, &mut entry, snapshot);
+        self.entries.entry(hash).or_default().push(entry);
         self.len += 1;
     }
 
-    fn evict_least_recent(&mut self) {
-        let oldest = self
-            .entries
-            .iter()
-            .flat_map(|(h, v)| v.iter().enumerate().map(move |(i, e)| (e.last_used, *h, i)))
-            .min();
-        if let Some((_, hash, i)) = oldest {
-            if let Some(v) = self.entries.get_mut(&hash) {
-                v.swap_remove(i);
-                if v.is_empty() {
-                    self.entries.remove(&hash);
-                }
-                self.len -= 1;
+    /// Forget the answers no snapshot can ask for again, and let their
+    /// snapshots go.
+    fn sweep(&mut self) {
+        // In REPEATABLE READ and SERIALIZABLE every statement's snapshot is
+        // a copy of the transaction's, which lives to the end.
+        // SAFETY: reads backend-local snapshot state; in these isolation
+        // levels, once the first snapshot is set, GetTransactionSnapshot
+        // returns it without side effects.
+        let transaction_snapshot = unsafe {
+            (pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32
+                && pg_sys::FirstSnapshotSet)
+                .then(|| pg_sys::GetTransactionSnapshot())
+        };
+        let mut len = 0;
+        self.entries.retain(|_, list| {
+            list.retain_mut(|entry| {
+                let mut live = entry.pinned
+                    // SAFETY: the transaction snapshot is valid.
+                    || transaction_snapshot.is_some_and(|t| entry.contents.same_as(unsafe { &*t }));
+                entry.holds.retain(|&s| {
+                    // SAFETY: registered by us, so valid until unregistered.
+                    if unsafe { held_elsewhere(s) } {
+                        live = true;
+                        return true;
+                    }
+                    // Nobody else holds it: it can no longer ask.
+                    // SAFETY: registered on this owner by `hold`.
+                    unsafe {
+                        pg_sys::UnregisterSnapshotFromOwner(s, pg_sys::TopTransactionResourceOwner)
+                    };
+                    false
+                });
+                live
+            });
+            len += list.len();
+            !list.is_empty()
+        });
+        self.len = len;
+    }
+
+    /// The transaction is about to commit or prepare: let every snapshot
+    /// go (no reading function can run any more).
+    fn release_all(&mut self) {
+        if self.lxid != current_lxid() {
+            return;
+        }
+        for entry in self.entries.values().flatten() {
+            for &s in &entry.holds {
+                // SAFETY: registered on this owner by `hold`, still valid.
+                unsafe {
+                    pg_sys::UnregisterSnapshotFromOwner(s, pg_sys::TopTransactionResourceOwner)
+                };
             }
         }
+        self.entries.clear();
+        self.len = 0;
+        self.closed = true;
     }
+}
+
+/// Before commit or prepare: the cache's snapshots are let go (see
+/// `AnswerCache`).
+pub fn release_answers() {
+    ANSWERS.with(|c| c.borrow_mut().release_all());
 }
 
 /// The answer for the caller's statement: for its snapshot, the first one
@@ -402,14 +521,13 @@ pub fn answer(meta: &StreamMeta) -> Rc<Answer> {
 /// As `answer`, for an explicitly chosen snapshot.
 pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Rc<Answer> {
     // SAFETY: `snapshot` is a valid snapshot of this transaction.
-    let s = unsafe { &*snapshot };
-    let hash = contents_hash(s);
+    let hash = contents_hash(unsafe { &*snapshot });
     let stream = (meta.key, meta.seq);
-    if let Some(a) = ANSWERS.with(|c| c.borrow_mut().get(hash, s, stream)) {
+    if let Some(a) = ANSWERS.with(|c| c.borrow_mut().get(hash, snapshot, stream)) {
         return a;
     }
     let a = Rc::new(fresh_answer(meta, snapshot));
-    ANSWERS.with(|c| c.borrow_mut().put(hash, s, stream, a.clone()));
+    ANSWERS.with(|c| c.borrow_mut().put(hash, snapshot, stream, a.clone()));
     a
 }
 
@@ -429,22 +547,18 @@ pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
 
 /// A hot standby cannot see what is in flight on the primary (and its
 /// sequences may be up to 32 ahead of what was handed out), so it answers
-/// from the durable positions, which replicate in commit order and are never
-/// ahead of the truth. Writers without a stored position read as the
-/// frontier (see writer_position).
+/// from what the position worker stored, which replicates in commit order
+/// and is never ahead of the truth: the stored frontier, and each stored
+/// writer position (never below it). Writers without a stored position read
+/// as the frontier (see writer_position). Before the worker first stored a
+/// frontier (a database just updated from 0.2.0), the lowest stored
+/// position stands in for it.
 fn standby_answer(meta: &StreamMeta) -> Answer {
     let stored = sql::stored_positions(&meta.name);
-    let max_allocated = stored.iter().map(|(_, p)| *p).max().unwrap_or(0);
-    let holders: Vec<Holder> = stored
-        .iter()
-        .filter(|(_, p)| *p < max_allocated)
-        .map(|(w, p)| Holder {
-            held_by: HeldBy::Writer(*w),
-            min_id: p + 1,
-        })
-        .collect();
+    let frontier = sql::stored_frontier(&meta.name)
+        .unwrap_or_else(|| stored.iter().map(|(_, p)| *p).min().unwrap_or(0));
     Answer {
-        positions: Positions::resolve(max_allocated, &holders),
+        positions: Positions::stored(frontier, &stored),
         seen: stored.iter().map(|(w, _)| *w).collect(),
         stored_only: true,
     }

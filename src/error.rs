@@ -94,6 +94,10 @@ pub enum Error {
         have: i64,
         ceiling: i64,
     },
+    /// A new writer on a stream that already remembers the most writers
+    /// it can list.
+    #[error("too many writers for one stream")]
+    TooManyWriters { limit: usize },
     /// Input beyond a documented size limit.
     #[error("{what} is too large")]
     TooLarge { what: String, limit: String },
@@ -173,7 +177,9 @@ impl Error {
             Error::AheadOfServer { .. } | Error::LostHistory { .. } => {
                 Code::ERRCODE_SNAPSHOT_TOO_OLD
             }
-            Error::TooLarge { .. } => Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            Error::TooLarge { .. } | Error::TooManyWriters { .. } => {
+                Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED
+            }
             Error::NotOwner(_) | Error::NoSelect(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
             Error::UnknownColumn { .. } => Code::ERRCODE_UNDEFINED_COLUMN,
@@ -230,6 +236,9 @@ impl Error {
                 "This server was a standby or recovered to a point in time; its rows end at {have}, and IDs up to {ceiling} may have been handed out by transactions it never had."
             )),
             Error::TooLarge { limit, .. } => Some(limit.clone()),
+            Error::TooManyWriters { limit } => Some(format!(
+                "A stream open to any writer lists in its tokens every writer that committed IDs (since the server started, or with a stored position), at most {limit}."
+            )),
             Error::InstancesImmutable => Some(
                 "Instance ids appear in tokens; renaming or reusing one would change what old tokens mean."
                     .into(),
@@ -272,6 +281,10 @@ impl Error {
             Error::MayNotAllocate { seq, .. } => {
                 Some(format!("GRANT USAGE ON SEQUENCE {seq} TO the writing role."))
             }
+            Error::TooManyWriters { .. } => Some(
+                "List the stream's writers with streampos.set_writers(): its stored positions of writers no longer listed are then forgotten."
+                    .into(),
+            ),
             Error::NotSynapse { .. } => Some(
                 "Pass the schema that holds Synapse's tables: streampos.adopt_synapse('<schema>').".into(),
             ),

@@ -376,6 +376,15 @@ pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
     )
 }
 
+/// The stored frontier (internal numbering), written with the positions.
+pub fn stored_frontier(stream: &str) -> Option<i64> {
+    select_one(
+        "SELECT pg_catalog.abs(f.stream_id) FROM streampos.stream_frontiers f \
+         WHERE f.stream_name OPERATOR(pg_catalog.=) $1",
+        &[stream.into()],
+    )
+}
+
 pub fn max_stored_position(stream: &str) -> Option<i64> {
     select_one(
         "SELECT pg_catalog.max(pg_catalog.abs(p.stream_id)) FROM streampos.stream_positions p \
@@ -849,23 +858,31 @@ pub fn extension_present() -> bool {
     .is_some()
 }
 
-/// Store one stream's positions (the same a reader in this snapshot gets).
-/// Run by the position worker. The stream's row is share-locked first: a
-/// `set_writers` in progress (which deletes removed writers' positions) is
-/// waited for, and the positions, read by the next statement's snapshot,
-/// follow its writer list (never bringing a removed writer back).
+/// Store one stream's positions and frontier (the same a reader in this
+/// snapshot gets: one statement, one snapshot, so the frontier is never
+/// above a position stored with it). Run by the position worker. The
+/// stream's row is share-locked first: a `set_writers` in progress (which
+/// deletes removed writers' positions) is waited for, and the positions,
+/// read by the next statement's snapshot, follow its writer list (never
+/// bringing a removed writer back). Neither ever moves back.
 pub fn store_positions(stream: &str) {
     run(
         "SELECT FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1 FOR SHARE",
         &[stream.into()],
     );
     run(
-        "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
-         SELECT $1, w.instance_name, w.stream_id FROM streampos.writer_positions($1) w \
-         ON CONFLICT (stream_name, instance_name) DO UPDATE \
-         SET stream_id = EXCLUDED.stream_id \
+        "WITH p AS ( \
+           INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
+           SELECT $1, w.instance_name, w.stream_id FROM streampos.writer_positions($1) w \
+           ON CONFLICT (stream_name, instance_name) DO UPDATE \
+           SET stream_id = EXCLUDED.stream_id \
+           WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) \
+                 pg_catalog.abs(streampos.stream_positions.stream_id)) \
+         INSERT INTO streampos.stream_frontiers (stream_name, stream_id) \
+         VALUES ($1, streampos.frontier($1)) \
+         ON CONFLICT (stream_name) DO UPDATE SET stream_id = EXCLUDED.stream_id \
          WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) \
-               pg_catalog.abs(streampos.stream_positions.stream_id)",
+               pg_catalog.abs(streampos.stream_frontiers.stream_id)",
         &[stream.into()],
     );
 }

@@ -4,7 +4,7 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::XactEvent;
 
 use crate::error::Error;
-use crate::{catalog, registry};
+use crate::{catalog, engine, registry};
 
 pub fn register_callbacks() {
     // SAFETY: registered once per process from _PG_init.
@@ -29,6 +29,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
             catalog::end_transaction(false);
         }
         XactEvent::XACT_EVENT_PRE_COMMIT => {
+            engine::release_answers();
             registry::flush_before_commit();
             catalog::pre_commit();
         }
@@ -37,6 +38,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
         XactEvent::XACT_EVENT_PRE_PREPARE if catalog::changed_in_this_transaction() => {
             Error::PrepareCatalog.report()
         }
+        XactEvent::XACT_EVENT_PRE_PREPARE => engine::release_answers(),
         _ => {}
     }
 }

@@ -81,7 +81,9 @@ pub struct Positions {
     /// writer.
     pub default: i64,
     /// Writers with allocations of their own in flight, ascending by id,
-    /// each with its position (at most `default`).
+    /// each with its position (at most `default`); or, for positions that
+    /// were stored (`Positions::stored`), every stored writer with its
+    /// position (at least `default`, the stored frontier).
     pub held: Vec<(i32, i64)>,
 }
 
@@ -107,6 +109,23 @@ impl Positions {
         Positions {
             max_allocated,
             default,
+            held,
+        }
+    }
+
+    /// Positions that were stored together: a frontier and writers'
+    /// positions (none below the frontier: all were true for one
+    /// snapshot). A writer not listed reads as the frontier, which is never
+    /// ahead of the truth.
+    pub fn stored(frontier: i64, writers: &[(i32, i64)]) -> Positions {
+        let mut held: Vec<(i32, i64)> =
+            writers.iter().map(|&(w, p)| (w, p.max(frontier))).collect();
+        // Highest first within a writer, so dedup keeps it.
+        held.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        held.dedup_by_key(|e| e.0);
+        Positions {
+            max_allocated: held.iter().map(|e| e.1).fold(frontier, i64::max),
+            default: frontier,
             held,
         }
     }
@@ -256,6 +275,22 @@ mod tests {
             );
         }
         assert_eq!(p.token(&[1, 2, 3]), current_token(10, &held, &[1, 2, 3]));
+    }
+
+    #[test]
+    fn stored_positions_are_never_below_the_stored_frontier() {
+        let p = Positions::stored(5, &[(2, 9), (1, 3), (2, 7), (4, 5)]);
+        assert_eq!(p.frontier(), 5);
+        assert_eq!(p.writer_position(1), 5);
+        assert_eq!(p.writer_position(2), 9);
+        assert_eq!(p.writer_position(3), 5);
+        assert_eq!(p.max_allocated, 9);
+        assert_eq!(
+            p.token(&[1, 2, 3, 4])
+                .to_text(crate::token::TokenKind::Room),
+            "m5~2.9"
+        );
+        assert_eq!(Positions::stored(0, &[]).frontier(), 0);
     }
 
     #[test]

@@ -64,7 +64,12 @@ fn refuse_ahead(
     position: i64,
     shown: impl FnOnce() -> (String, Option<i64>),
 ) {
-    let allocated = answer_now(meta).positions.max_allocated;
+    // What the server allocated, not what the caller's snapshot saw of it:
+    // a REPEATABLE READ follower's transaction snapshot may predate IDs
+    // allocated since, which are no reason to resynchronise.
+    let allocated = engine::with_index(meta, |index| {
+        registry::highest_allocated(index, meta.key, meta.seq)
+    });
     if position > allocated {
         let (shown, highest) = shown();
         Error::AheadOfServer {

@@ -11,7 +11,7 @@ use super::shmem::{
     self, Active, Finished, Locked, Section, FREE_ACTIVE, HEADER, NAME_BYTES, SEEN_WRITERS,
 };
 use super::streams::{matches, Stale};
-use super::visibility::{durable_lsn, fold_into_summary, latest_completed};
+use super::visibility::{durable_lsn, fold_into_summary, latest_completed, wait_until_durable};
 use crate::error::Error;
 use crate::ffi::unguarded;
 
@@ -44,6 +44,7 @@ pub fn begin_allocation(
     seq: pg_sys::Oid,
     instance: i32,
     instance_name: &str,
+    open_stream: bool,
     xid: TransactionId,
 ) -> Result<Result<Allocation, Stale>, Error> {
     let slot_index = shmem::my_slot_index()?;
@@ -61,6 +62,8 @@ pub fn begin_allocation(
         // SAFETY: plain read of the transaction's start time.
         since: unsafe { unguarded::GetCurrentTransactionStartTimestamp() },
         lsn: 0,
+        durable_from: 0,
+        reserved_seen: false,
         name: [0; NAME_BYTES],
     };
     let len = instance_name.len().min(NAME_BYTES - 1);
@@ -99,8 +102,26 @@ pub fn begin_allocation(
             guc: "streampos.max_streams_per_transaction",
         });
     }
+    // A writer the stream does not remember yet needs a place among the
+    // writers its tokens list; on a stream open to any writer, one it
+    // would have to forget is refused (a configured stream's tokens list
+    // its configured writers instead).
+    let s = &mut locked.streams()[stream];
+    if !s.has_seen(instance) {
+        if (s.n_seen + s.seen_reserved) as usize >= SEEN_WRITERS {
+            if open_stream {
+                return Err(Error::TooManyWriters {
+                    limit: SEEN_WRITERS,
+                });
+            }
+        } else {
+            s.seen_reserved += 1;
+            entry.reserved_seen = true;
+        }
+    }
     entry.min_id = lower_bound;
     entry.max_id = lower_bound;
+    entry.durable_from = lower_bound;
     slot[i] = entry;
     header.pid = pid;
     header.db = db;
@@ -148,18 +169,33 @@ pub fn finish_allocation(
         floor = id.saturating_add(1);
     }
     let slot_index = shmem::my_slot_index()?;
+    // A newer sequence record than the entry's earlier IDs needed: those
+    // must be durable before the entry's WAL position moves on, or they
+    // would hold every writer back again (positions would go back).
+    // SAFETY: the registry is loaded (`my_slot_index` succeeded) and the
+    // slot is this backend's own.
+    let earlier = unsafe { shmem::own_slot_unlocked(slot_index)[allocation.entry] };
+    if !earlier.pending && lsn > earlier.lsn {
+        wait_until_durable(earlier.lsn);
+    }
     let locked = Locked::acquire(Section::FinishAllocation)?;
     let a = &mut locked.slot(slot_index)[allocation.entry];
     // In this order, for lock-free readers (this section does not move the
-    // seqlock counter): the WAL position and first ID, then `pending`, then
-    // the highest allocated ID. A reader that sees the new highest ID sees
-    // the rest; one that does not, stops below these IDs.
-    a.lsn = a.lsn.max(lsn);
+    // seqlock counter): the WAL position, then where it starts to count,
+    // then the first ID and `pending`, then the highest allocated ID. A
+    // reader that sees the new highest ID sees the rest; one that does
+    // not, stops below these IDs; one that sees the new WAL position with
+    // the old `durable_from` holds more, never less.
     a.max_id = a.max_id.max(last);
     a.count += ids.len() as i64;
     if a.pending {
+        shmem::publish(&mut a.lsn, lsn);
+        shmem::publish(&mut a.durable_from, first);
         a.min_id = first;
         shmem::publish(&mut a.pending, false);
+    } else if lsn > a.lsn {
+        shmem::publish(&mut a.lsn, lsn);
+        shmem::publish(&mut a.durable_from, first);
     }
     let s = &mut locked.streams()[stream];
     let highest = s.max_allocated.max(last);
@@ -221,10 +257,10 @@ pub fn end_transaction(committed: bool) {
             }
             // An allocation that failed before recording its WAL position
             // is held until everything inserted so far is durable.
-            let lsn = if a.pending {
-                unguarded::GetXLogInsertRecPtr()
+            let (lsn, durable_from) = if a.pending {
+                (unguarded::GetXLogInsertRecPtr(), a.min_id)
             } else {
-                a.lsn
+                (a.lsn, a.durable_from)
             };
             // A commit stays in the ring for snapshots that do not see it
             // yet; an abort only while its IDs are not durable.
@@ -235,6 +271,7 @@ pub fn end_transaction(committed: bool) {
                     xid: a.xid,
                     latest_completed: stamp,
                     min_id: a.min_id,
+                    durable_from,
                     lsn,
                     lsn_prefix_max: 0,
                     aborted: !committed,
@@ -249,12 +286,13 @@ pub fn end_transaction(committed: bool) {
                 }
             }
             let s = &mut locked.streams()[stream];
-            if committed
-                && !s.seen[..s.n_seen as usize].contains(&a.instance)
-                && (s.n_seen as usize) < SEEN_WRITERS
-            {
-                s.seen[s.n_seen as usize] = a.instance;
-                s.n_seen += 1;
+            if a.reserved_seen {
+                s.seen_reserved = s.seen_reserved.saturating_sub(1);
+            }
+            // Room was reserved when the entry was created (or the writer
+            // was remembered then, and stays so).
+            if committed {
+                s.add_seen(a.instance);
             }
             s.generation += 1;
             *a = FREE_ACTIVE;

@@ -34,8 +34,8 @@ pub use shmem::{
     catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,
 };
 pub use streams::{
-    forget_all_indexes, forget_index, generation, mark_dropped_at_commit, raise_max_allocated,
-    replayed_ceiling, set_loaded, stream_index, streams_of, Stale,
+    forget_all_indexes, forget_index, generation, highest_allocated, mark_dropped_at_commit,
+    raise_max_allocated, replayed_ceiling, set_loaded, stream_index, streams_of, Stale,
 };
 pub use visibility::{
     caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, StreamView,

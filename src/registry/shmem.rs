@@ -17,10 +17,12 @@ use crate::guc;
 
 const TRANCHE: &CStr = c"streampos";
 const SHMEM_NAME: &CStr = c"streampos registry";
-/// Writers remembered per stream since start-up (for streams that allow any
-/// writer); more still work, they just do not appear in tokens until the
-/// background worker has stored their position.
-pub const SEEN_WRITERS: usize = 64;
+/// Writers a stream remembers (since start-up, or with a stored position
+/// when it was loaded): tokens list them. The documented limit of writers
+/// per stream: an allocation by a writer it would have to forget is
+/// refused instead (54000), as a token that drops a writer would send that
+/// writer's position back.
+pub const SEEN_WRITERS: usize = 1024;
 /// Databases with a position worker.
 pub const MAX_DATABASES: usize = 64;
 
@@ -202,9 +204,13 @@ pub(super) struct StreamState {
     pub cv: pg_sys::ConditionVariable,
     pub summary: Summary,
     /// Writers that committed IDs since start-up (or had a stored position
-    /// when the stream was loaded): tokens list them.
+    /// when the stream was loaded): tokens list them. Sorted, the first
+    /// `n_seen`.
     pub n_seen: u32,
     pub seen: [i32; SEEN_WRITERS],
+    /// Places in `seen` promised to transactions in flight whose writer is
+    /// not in it yet (`begin_allocation`): their commit always finds room.
+    pub seen_reserved: u32,
     /// When the server may lack history: the maximum allocated ID loaded
     /// from the sequence. IDs below it that no row here has may have been
     /// handed out by a history this server lost (a follower holding one
@@ -224,7 +230,11 @@ pub(super) struct Finished {
     /// the push, so it sees this entry and every older one.
     pub latest_completed: TransactionId,
     pub min_id: i64,
-    /// The WAL position the IDs need durable (see `Active::lsn`).
+    /// IDs from here on need `lsn` durable; the ones below already were
+    /// (see `Active::durable_from`).
+    pub durable_from: i64,
+    /// The WAL position the IDs from `durable_from` on need durable (see
+    /// `Active::lsn`).
     pub lsn: u64,
     /// The highest `lsn` of this entry and every entry pushed before it:
     /// once durable, nothing older needs a durability check.
@@ -250,12 +260,22 @@ pub(super) struct Active {
     pub xid: TransactionId,
     pub pending: bool,
     pub since: pg_sys::TimestampTz,
-    /// The end of the WAL record that made the sequence hand these IDs out.
-    /// Until it is durable (flushed, and confirmed by synchronous standbys
-    /// when there are any), a crash or a failover could roll the sequence
-    /// back below these IDs and hand them out again, to any writer: so until
-    /// then they hold back every writer, whatever becomes of the transaction.
+    /// The end of the WAL record that made the sequence hand out the IDs
+    /// from `durable_from` on. Until it is durable (flushed, and confirmed
+    /// by synchronous standbys when there are any), a crash or a failover
+    /// could roll the sequence back below these IDs and hand them out again,
+    /// to any writer: so until then they hold back every writer, whatever
+    /// becomes of the transaction.
     pub lsn: u64,
+    /// The IDs below it were durable when a later allocation of the
+    /// transaction needed a newer WAL record (`finish_allocation` makes
+    /// sure of it first): durability is per allocation, so an allocation
+    /// after a CHECKPOINT or past the sequence's logged-ahead values never
+    /// makes IDs already durable hold every writer back again.
+    pub durable_from: i64,
+    /// This entry holds a place in its stream's `seen` (its writer was not
+    /// there when it was created).
+    pub reserved_seen: bool,
     /// The instance's name (NUL-padded), for `in_flight()`: a name created
     /// by this still-running transaction is not in any other snapshot.
     pub name: [u8; NAME_BYTES],
@@ -271,6 +291,8 @@ pub(super) const FREE_ACTIVE: Active = Active {
     pending: false,
     since: 0,
     lsn: 0,
+    durable_from: 0,
+    reserved_seen: false,
     name: [0; NAME_BYTES],
 };
 
@@ -666,6 +688,30 @@ impl Locked {
     }
 }
 
+impl StreamState {
+    pub fn has_seen(&self, instance: i32) -> bool {
+        self.seen[..(self.n_seen as usize).min(SEEN_WRITERS)]
+            .binary_search(&instance)
+            .is_ok()
+    }
+
+    /// Remember `instance` as a writer of the stream, in order; false when
+    /// there is no room.
+    pub fn add_seen(&mut self, instance: i32) -> bool {
+        let n = (self.n_seen as usize).min(SEEN_WRITERS);
+        match self.seen[..n].binary_search(&instance) {
+            Ok(_) => true,
+            Err(_) if n == SEEN_WRITERS => false,
+            Err(at) => {
+                self.seen.copy_within(at..n, at + 1);
+                self.seen[at] = instance;
+                self.n_seen = n as u32 + 1;
+                true
+            }
+        }
+    }
+}
+
 impl Drop for Locked {
     fn drop(&mut self) {
         if self.moves_entries {
@@ -716,6 +762,7 @@ pub(super) struct EntryCopy {
     pub min_id: i64,
     pub xid: TransactionId,
     pub pending: bool,
+    pub durable_from: i64,
     pub lsn: u64,
 }
 
@@ -821,15 +868,15 @@ impl Raw {
         }
     }
 
-    /// The first `n` (at most SEEN_WRITERS) writers seen of state `index`.
-    pub fn seen(&self, index: usize, out: &mut [i32; SEEN_WRITERS], n: usize) {
+    /// The first `n` (at most SEEN_WRITERS) writers seen of state `index`,
+    /// into `out` (cleared first).
+    pub fn seen(&self, index: usize, out: &mut Vec<i32>, n: usize) {
+        out.clear();
         // SAFETY: as in `stream`; `n` is bounded by the array.
         unsafe {
             let s = (self.header as *const u8).add(self.offsets().streams) as *const StreamState;
             let seen = &raw const (*s.add(index)).seen;
-            for (k, w) in out.iter_mut().enumerate().take(n.min(SEEN_WRITERS)) {
-                *w = Self::read((seen as *const i32).add(k));
-            }
+            out.extend((0..n.min(SEEN_WRITERS)).map(|k| Self::read((seen as *const i32).add(k))));
         }
     }
 
@@ -877,12 +924,19 @@ impl Raw {
             // written before it are read after it (`finish_allocation`).
             let pending = Self::read(&raw const (*a).pending);
             fence(Ordering::Acquire);
+            // `durable_from` before `lsn`: `finish_allocation` writes the
+            // new WAL position first, so a new `durable_from` comes with
+            // its WAL position, and an old one with a newer WAL position
+            // only holds more.
+            let durable_from = Self::read(&raw const (*a).durable_from);
+            fence(Ordering::Acquire);
             EntryCopy {
                 stream: Self::read(&raw const (*a).stream),
                 instance: Self::read(&raw const (*a).instance),
                 min_id: Self::read(&raw const (*a).min_id),
                 xid: Self::read(&raw const (*a).xid),
                 pending,
+                durable_from,
                 lsn: Self::read(&raw const (*a).lsn),
             }
         }

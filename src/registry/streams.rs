@@ -5,7 +5,7 @@
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
-use super::shmem::{Locked, Section, StreamState, HEADER, SEEN_WRITERS};
+use super::shmem::{Locked, Section, StreamState, HEADER};
 use crate::error::Error;
 
 thread_local! {
@@ -130,6 +130,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.generation = s.generation.wrapping_add(1);
     s.summary.valid = false;
     s.n_seen = 0;
+    s.seen_reserved = 0;
     Ok((i, false))
 }
 
@@ -213,10 +214,12 @@ pub fn set_loaded(
         s.loaded = true;
         s.max_allocated = max_allocated;
         s.replayed_ceiling = if may_lack_history { max_allocated } else { 0 };
-        for &w in stored_writers.iter().take(SEEN_WRITERS) {
-            if !s.seen[..s.n_seen as usize].contains(&w) {
-                s.seen[s.n_seen as usize] = w;
-                s.n_seen += 1;
+        // Stored positions are written for the writers a token lists, at
+        // most SEEN_WRITERS (more can only be imported: the extras are
+        // not listed, as no writer of theirs could allocate since).
+        for &w in stored_writers {
+            if !s.add_seen(w) {
+                break;
             }
         }
     }
@@ -276,6 +279,22 @@ pub fn streams_of(db: pg_sys::Oid) -> Vec<(i32, usize, u64)> {
         .filter(|(_, s)| s.in_use && s.loaded && !s.dropped && s.db == db)
         .map(|(i, s)| (s.key, i, s.generation))
         .collect()
+}
+
+/// The highest ID this server allocated for the stream, now (not as any
+/// snapshot sees it): what a follower's position must not pass.
+pub fn highest_allocated(
+    stream: usize,
+    key: i32,
+    seq: pg_sys::Oid,
+) -> Result<Result<i64, Stale>, Error> {
+    let locked = Locked::acquire(Section::OtherShared)?;
+    let s = &locked.streams()[stream];
+    Ok(if matches(s, key, seq) {
+        Ok(s.max_allocated)
+    } else {
+        Err(Stale)
+    })
 }
 
 /// See `StreamState::replayed_ceiling`.

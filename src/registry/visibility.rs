@@ -37,7 +37,7 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 use streampos_core::frontier::{HeldBy, Holder};
 
-use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Summary, SEEN_WRITERS};
+use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Summary};
 use super::streams::Stale;
 use crate::error::Error;
 use crate::ffi::unguarded;
@@ -157,6 +157,35 @@ pub fn durable_lsn() -> u64 {
             }
         }
         None => now,
+    }
+}
+
+/// Wait until `lsn` is durable (`durable_lsn`): flush the WAL up to it,
+/// then, while synchronous standbys are configured, wait for their
+/// confirmation as a commit would (the wait answers query cancel and
+/// `statement_timeout`). Only on the rare path where a transaction's
+/// allocation needs a newer sequence record than its earlier IDs had.
+pub fn wait_until_durable(lsn: u64) {
+    if durable_lsn_seen() >= lsn || durable_lsn() >= lsn {
+        return;
+    }
+    // SAFETY: XLogFlush raises no ERROR for a position already inserted (a
+    // write failure is a PANIC anywhere); the latch wait is the usual
+    // interruptible sleep of a backend.
+    unsafe {
+        if unguarded::GetFlushRecPtr(ptr::null_mut()) < lsn {
+            pg_sys::XLogFlush(lsn);
+        }
+        while durable_lsn() < lsn {
+            pgrx::check_for_interrupts!();
+            pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                5,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
     }
 }
 
@@ -393,8 +422,8 @@ pub fn view(
         ring_entries: Vec::with_capacity(8),
         ..Copied::default()
     };
-    let mut seen = [0; SEEN_WRITERS];
-    let copy = |durable: &mut Durability, copied: &mut Copied, seen: &mut [i32; SEEN_WRITERS]| {
+    let mut seen = Vec::new();
+    let copy = |durable: &mut Durability, copied: &mut Copied, seen: &mut Vec<i32>| {
         let r = copy_stream(raw, stream, key, seq, snap, own_slot, durable, copied);
         raw.seen(stream, seen, copied.n_seen);
         r
@@ -434,17 +463,23 @@ pub fn view(
     }
     // Phase 2: decide, from the copy.
     let mut holders = Vec::new();
-    let mut hold = |instance: i32, min_id: i64, durable: bool| {
-        holders.push(Holder {
-            // IDs not yet durable hold back every writer: after a crash or
-            // failover they could be handed out again, to anyone.
-            held_by: if durable {
-                HeldBy::Writer(instance)
-            } else {
-                HeldBy::AllWriters
-            },
-            min_id,
-        });
+    // An allocation in flight for the snapshot holds its writer back from
+    // its first ID; IDs not yet durable hold back every writer (after a
+    // crash or failover they could be handed out again, to anyone), from
+    // the first of them: the IDs below `durable_from` were durable before.
+    let mut hold = |instance: i32, min_id: i64, in_flight: bool, not_durable_from: Option<i64>| {
+        if in_flight {
+            holders.push(Holder {
+                held_by: HeldBy::Writer(instance),
+                min_id,
+            });
+        }
+        if let Some(from) = not_durable_from {
+            holders.push(Holder {
+                held_by: HeldBy::AllWriters,
+                min_id: from.max(min_id),
+            });
+        }
     };
     for &(a, own) in &copied.slot_entries {
         let ended = !own && sees_end(a.xid);
@@ -452,21 +487,17 @@ pub fn view(
         // transaction runs, its IDs are in flight like any other; once it
         // has ended (an allocation that failed, its callback not run yet),
         // nothing says its IDs are durable.
-        let is_durable = if a.pending {
-            !ended
+        let not_durable_from = if a.pending {
+            ended.then_some(a.min_id)
         } else {
-            durable.covers(a.lsn)
+            (!durable.covers(a.lsn)).then_some(a.durable_from)
         };
-        if !ended || !is_durable {
-            hold(a.instance, a.min_id, is_durable);
-        }
+        hold(a.instance, a.min_id, !ended, not_durable_from);
     }
     for f in &copied.ring_entries {
-        let is_durable = durable.covers(f.lsn);
         let unseen = !f.aborted && !sees_end(f.xid);
-        if unseen || !is_durable {
-            hold(f.instance, f.min_id, is_durable);
-        }
+        let not_durable_from = (!durable.covers(f.lsn)).then_some(f.durable_from);
+        hold(f.instance, f.min_id, unseen, not_durable_from);
     }
     if let Some((min_id, stamp, lsn)) = copied.summary {
         if !durable.covers(lsn) || !taken_after(stamp, snap) {
@@ -479,6 +510,6 @@ pub fn view(
     Ok(Ok(StreamView {
         max_allocated: copied.max_allocated,
         holders,
-        seen: seen[..copied.n_seen].to_vec(),
+        seen,
     }))
 }

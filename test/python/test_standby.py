@@ -10,12 +10,14 @@ import pytest
 
 from support import (
     PG_BIN,
+    commit_ids,
     PGDATA,
     connect_raw,
     create_stream,
     expect_error,
     flush_wal,
     one,
+    rows,
     stored_positions,
     wait_until,
 )
@@ -104,3 +106,87 @@ def test_standby_reads_stored_positions_and_refuses_allocation(connect, stream, 
             message="the standby frontier to advance",
         )
         assert one(replica, f"SELECT count(*) FROM {stream} WHERE id <= 4") == 4
+
+
+def commit_one(conn, stream, writer):
+    """One ID committed durably (its commit writes WAL and flushes)."""
+    return commit_ids(conn, stream, writer)[0]
+
+
+def frontier_is(replica, stream, value):
+    return lambda: one(replica, "SELECT streampos.frontier(%s)", (stream,)) == value
+
+
+def test_a_new_writers_first_transaction_holds_the_standby_back(connect, stream, standby):
+    """0.2.0's standby took the lowest stored position as its frontier, and
+    stored positions name only writers the position worker can name: a
+    writer whose first transaction (which creates its name) still holds ID
+    11 was in none, and the standby answered 21 while the primary answered
+    10 (the row appeared later, below a frontier already given out)."""
+    primary = connect()
+    create_stream(primary, stream)
+    for _ in range(10):
+        commit_one(primary, stream, "old")
+    holder = connect()
+    holder.execute("BEGIN")
+    new_writer = f"{stream}_new"
+    assert one(holder, "SELECT streampos.next_id(%s, %s)", (stream, new_writer)) == 11
+    for _ in range(10):
+        commit_one(primary, stream, "other")
+    assert one(primary, "SELECT streampos.frontier(%s)", (stream,)) == 10
+    flush_wal(primary)
+    with connect_raw(port=standby["port"]) as replica:
+        # The worker stores (other: 21, old: 21) and the frontier 10.
+        wait_until(
+            lambda: one(replica, "SELECT max(stream_id) FROM streampos.stream_positions WHERE stream_name = %s",
+                        (stream,)) == 21,
+            timeout=10,
+            message="the standby to replay the positions",
+        )
+        assert one(replica, "SELECT streampos.frontier(%s)", (stream,)) == 10
+        assert one(replica, "SELECT streampos.current_token(%s)::text", (stream,)).startswith("m10~")
+        holder.execute("COMMIT")
+        wait_until(frontier_is(replica, stream, 21), timeout=10, message="the standby to catch up")
+
+
+def test_a_writer_removed_while_it_holds_an_id_holds_the_standby_back(connect, stream, standby):
+    """set_writers removing a writer that holds an ID: its stored position
+    goes, the others' stay ahead; the standby's frontier must stay below
+    the held ID all the same."""
+    primary = connect()
+    create_stream(primary, stream, writers=["a", "b"])
+    for _ in range(3):
+        commit_one(primary, stream, "a")
+    holder = connect()
+    holder.execute("BEGIN")
+    assert one(holder, "SELECT streampos.next_id(%s, 'b')", (stream,)) == 4
+    primary.execute("SELECT streampos.set_writers(%s, ARRAY['a'])", (stream,))
+    for _ in range(3):
+        commit_one(primary, stream, "a")
+    assert one(primary, "SELECT streampos.frontier(%s)", (stream,)) == 3
+    flush_wal(primary)
+    with connect_raw(port=standby["port"]) as replica:
+        wait_until(
+            lambda: rows(replica, "SELECT instance_name, stream_id FROM streampos.stream_positions "
+                                  "WHERE stream_name = %s", (stream,)) == [("a", 7)],
+            timeout=10,
+            message="the standby to replay the positions",
+        )
+        assert one(replica, "SELECT streampos.frontier(%s)", (stream,)) == 3
+        holder.execute("COMMIT")
+        wait_until(frontier_is(replica, stream, 7), timeout=10, message="the standby to catch up")
+
+
+def test_a_standby_follows_more_than_64_writers(connect, stream, standby):
+    """0.2.0's standby stopped making progress with more than 64 writers on
+    a stream: it stayed at stale stored positions indefinitely."""
+    primary = connect()
+    create_stream(primary, stream)
+    with connect_raw(port=standby["port"]) as replica:
+        for rnd in range(3):
+            for k in range(80):
+                commit_one(primary, stream, f"w{k}")
+            top = 80 * (rnd + 1)
+            wait_until(frontier_is(replica, stream, top), timeout=10,
+                       message=f"the standby frontier to reach {top}")
+        assert one(replica, "SELECT count(*) FROM streampos.writer_positions(%s)", (stream,)) == 80
