@@ -255,6 +255,10 @@ COMMENT ON FUNCTION instance_id(text) IS 'The id of an instance name, created on
 COMMENT ON FUNCTION instance_name(integer) IS 'The name of an instance id';
 COMMENT ON FUNCTION next_id(text, text) IS 'Allocate one ID; it stays in flight until this transaction ends';
 COMMENT ON FUNCTION next_ids(text, text, integer) IS 'Allocate n IDs in allocation order';
+COMMENT ON FUNCTION hold_ids(text, text, integer) IS
+    'Allocate n IDs held by the session (not its transaction) until release_ids or the session ends';
+COMMENT ON FUNCTION release_ids(text, bigint[]) IS
+    'Release a hold of this session at the commit of the calling transaction';
 COMMENT ON FUNCTION frontier(text) IS 'Largest F with every ID <= F finished, for the caller''s snapshot';
 COMMENT ON FUNCTION max_allocated(text) IS 'The highest ID allocated so far';
 COMMENT ON FUNCTION writer_position(text, text) IS 'Largest p with every ID <= p of that writer finished';

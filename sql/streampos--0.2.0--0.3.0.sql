@@ -12,3 +12,24 @@ SELECT pg_catalog.pg_extension_config_dump('streampos.stream_frontiers', '');
 GRANT SELECT ON streampos.stream_frontiers TO PUBLIC;
 COMMENT ON TABLE streampos.stream_frontiers IS
     'Durable frontiers, written by the background worker with the positions: a hot standby''s frontier';
+
+-- Holds: IDs held by the session rather than its transaction.
+CREATE FUNCTION streampos."hold_ids"(
+	"stream" TEXT,
+	"writer" TEXT,
+	"n" INT DEFAULT 1
+) RETURNS bigint[]
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'hold_ids_wrapper';
+CREATE FUNCTION streampos."release_ids"(
+	"stream" TEXT,
+	"ids" bigint[]
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'release_ids_wrapper';
+COMMENT ON FUNCTION streampos.hold_ids(text, text, integer) IS
+    'Allocate n IDs held by the session (not its transaction) until release_ids or the session ends';
+COMMENT ON FUNCTION streampos.release_ids(text, bigint[]) IS
+    'Release a hold of this session at the commit of the calling transaction';

@@ -218,6 +218,17 @@ AS 'MODULE_PATHNAME', 'frontier_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+CREATE  FUNCTION "hold_ids"(
+	"stream" TEXT,
+	"writer" TEXT,
+	"n" INT DEFAULT 1
+) RETURNS bigint[]
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'hold_ids_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "in_flight"(
 	"stream" TEXT DEFAULT NULL
 ) RETURNS TABLE (
@@ -588,6 +599,16 @@ CREATE  FUNCTION "persisted_after"(
 IMMUTABLE STRICT PARALLEL SAFE 
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'room_functions_persisted_after_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
+CREATE  FUNCTION "release_ids"(
+	"stream" TEXT,
+	"ids" bigint[]
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'release_ids_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -1101,6 +1122,10 @@ COMMENT ON FUNCTION instance_id(text) IS 'The id of an instance name, created on
 COMMENT ON FUNCTION instance_name(integer) IS 'The name of an instance id';
 COMMENT ON FUNCTION next_id(text, text) IS 'Allocate one ID; it stays in flight until this transaction ends';
 COMMENT ON FUNCTION next_ids(text, text, integer) IS 'Allocate n IDs in allocation order';
+COMMENT ON FUNCTION hold_ids(text, text, integer) IS
+    'Allocate n IDs held by the session (not its transaction) until release_ids or the session ends';
+COMMENT ON FUNCTION release_ids(text, bigint[]) IS
+    'Release a hold of this session at the commit of the calling transaction';
 COMMENT ON FUNCTION frontier(text) IS 'Largest F with every ID <= F finished, for the caller''s snapshot';
 COMMENT ON FUNCTION max_allocated(text) IS 'The highest ID allocated so far';
 COMMENT ON FUNCTION writer_position(text, text) IS 'Largest p with every ID <= p of that writer finished';

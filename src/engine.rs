@@ -82,7 +82,9 @@ pub fn with_index<T>(
 // --------------------------------------------------------------- allocation
 
 /// Allocate `n` IDs of `stream` for `writer` in the current transaction.
-pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
+/// `hold`: the IDs are held by the session (`hold_ids`), not by the
+/// transaction.
+pub fn allocate(stream: &str, writer: &str, n: i32, hold: bool) -> Vec<i64> {
     registry::require_loaded().or_raise();
     if !(1..=MAX_IDS_PER_CALL).contains(&n) {
         Error::InvalidArgument {
@@ -109,15 +111,16 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
     // ERROR, which is fine here.
     let xid = unsafe { pg_sys::GetTopTransactionId() };
     let (index, allocation) = with_index(&meta, |index| {
-        Ok(registry::begin_allocation(
-            index,
-            meta.key,
-            meta.seq,
+        Ok(registry::begin_allocation(&registry::Request {
+            stream: index,
+            key: meta.key,
+            seq: meta.seq,
             instance,
-            writer,
-            meta.writers.is_none(),
+            instance_name: writer,
+            open_stream: meta.writers.is_none(),
+            hold,
             xid,
-        )?
+        })?
         .map(|allocation| (index, allocation)))
     });
     guc::test_pause_in_allocation();
@@ -127,6 +130,55 @@ pub fn allocate(stream: &str, writer: &str, n: i32) -> Vec<i64> {
         ids.iter_mut().for_each(|id| *id = -*id);
     }
     ids
+}
+
+/// Release the hold of this session that handed out exactly `ids` (as
+/// `hold_ids` returned them): at the commit of the calling transaction,
+/// for the snapshots that see that commit.
+pub fn release(stream: &str, ids: &[i64]) {
+    registry::require_loaded().or_raise();
+    let meta = catalog::stream_latest(stream).or_raise();
+    let internal = |id: i64| {
+        if meta.backwards {
+            id.saturating_neg()
+        } else {
+            id
+        }
+    };
+    let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
+        Error::invalid("no IDs to release").report()
+    };
+    // SAFETY: assigns (or returns) this transaction's top xid (readers
+    // compare against it: the release is seen with its commit), and reads
+    // the current subtransaction; may raise an ERROR, which is fine here.
+    let (xid, subxact) = unsafe {
+        (
+            pg_sys::GetTopTransactionId(),
+            pg_sys::GetCurrentSubTransactionId(),
+        )
+    };
+    let released = with_index(&meta, |index| {
+        registry::release_hold(
+            index,
+            meta.key,
+            meta.seq,
+            (internal(first), internal(last), ids.len() as i64),
+            xid,
+            subxact,
+        )
+    });
+    if !released {
+        Error::InvalidArgument {
+            message: format!(
+                "no hold of this session on stream \"{}\" is the IDs {first} to {last}",
+                crate::error::clip(stream)
+            ),
+            detail: Some(
+                "Pass release_ids() the array hold_ids() returned, in the session that called it, once.".into(),
+            ),
+        }
+        .report();
+    }
 }
 
 /// The stream as it is now, checked for `writer` and the caller, with its

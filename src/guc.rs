@@ -7,6 +7,8 @@ use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 pub static MAX_STREAMS: GucSetting<i32> = GucSetting::<i32>::new(256);
 /// (stream, writer) pairs one transaction can allocate from.
 pub static MAX_STREAMS_PER_TRANSACTION: GucSetting<i32> = GucSetting::<i32>::new(8);
+/// Holds (`hold_ids`) one session can have at once.
+pub static MAX_HELD_PER_SESSION: GucSetting<i32> = GucSetting::<i32>::new(64);
 /// Recently committed allocations remembered for snapshots that may not see
 /// them yet; beyond this they are folded into one summary per stream.
 pub static FINISHED_RING_SIZE: GucSetting<i32> = GucSetting::<i32>::new(65536);
@@ -74,6 +76,16 @@ fn define_registry_sizes() {
         &MAX_STREAMS_PER_TRANSACTION,
         1,
         1024,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"streampos.max_held_per_session",
+        c"Holds of IDs (streampos.hold_ids) one session can have at once.",
+        c"",
+        &MAX_HELD_PER_SESSION,
+        0,
+        4096,
         GucContext::Postmaster,
         GucFlags::default(),
     );

@@ -81,6 +81,7 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
     // SAFETY: registers a callback for this process's exit.
     unsafe { pg_sys::before_shmem_exit(Some(on_worker_exit), arg) };
     let mut written: std::collections::HashMap<i32, String> = std::collections::HashMap::new();
+    let mut orphans = Orphans::default();
     let mut last_store: Option<std::time::Instant> = None;
     loop {
         // Prune often: the finished ring is what readers scan.
@@ -98,10 +99,12 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
             last_store = Some(std::time::Instant::now());
             // Each pass is a transaction of its own, so it computes fresh
             // positions (answers are kept per transaction, see engine.rs).
-            let pass = std::panic::AssertUnwindSafe(&mut written);
+            let pass = std::panic::AssertUnwindSafe((&mut written, &mut orphans));
             let keep_going = BackgroundWorker::transaction(move || {
                 let pass = pass;
-                store_positions(pass.0)
+                let (written, orphans) = pass.0;
+                release_orphans(db, orphans);
+                store_positions(written)
             });
             if !keep_going {
                 break;
@@ -157,6 +160,70 @@ fn in_subtransaction(
             pgrx::log!("streampos position worker: {what} failed: {message}");
         }
         failure.is_none()
+    }
+}
+
+/// Orphaned holds (of sessions that ended without releasing them) the
+/// worker waits to release: per stream state, the epoch it waits for and
+/// the transactions that were running after that epoch began.
+#[derive(Default)]
+struct Orphans {
+    waiting: std::collections::HashMap<usize, (u64, Vec<pg_sys::VirtualTransactionId>)>,
+}
+
+/// Release orphaned holds once every transaction that may still write
+/// their rows has ended: those running (in this database) when the
+/// worker first saw the orphans, which came after the session ended. The
+/// release is a shadow entry of this pass's transaction: a reader sees the
+/// IDs finished only in a snapshot that sees this commit, taken after all
+/// those transactions ended, so it sees their rows.
+fn release_orphans(db: pg_sys::Oid, orphans: &mut Orphans) {
+    let current = registry::orphans_of(db);
+    orphans
+        .waiting
+        .retain(|index, _| current.iter().any(|(i, _, _)| i == index));
+    for (index, _key, epoch) in current {
+        let entry = orphans.waiting.get(&index);
+        if entry.is_none_or(|(e, _)| *e != epoch) {
+            // SAFETY: lists the virtual xids of this database's running
+            // transactions (a palloc'd array, copied out at once).
+            let vxids = unsafe {
+                let mut n = 0;
+                let list = pg_sys::GetCurrentVirtualXIDs(
+                    pg_sys::InvalidTransactionId,
+                    false,
+                    false,
+                    0,
+                    &mut n,
+                );
+                let copied = if list.is_null() || n <= 0 {
+                    Vec::new()
+                } else {
+                    std::slice::from_raw_parts(list, n as usize).to_vec()
+                };
+                if !list.is_null() {
+                    pg_sys::pfree(list.cast());
+                }
+                copied
+            };
+            orphans.waiting.insert(index, (epoch, vxids));
+            continue;
+        }
+        let Some((_, vxids)) = orphans.waiting.get_mut(&index) else {
+            continue;
+        };
+        // SAFETY: without waiting, VirtualXactLock only asks whether the
+        // transaction still runs (true: it ended).
+        vxids.retain(|&v| unsafe { !pg_sys::VirtualXactLock(v, false) });
+        if !vxids.is_empty() {
+            continue;
+        }
+        // SAFETY: assigns this pass's transaction an xid (readers compare
+        // against it).
+        let xid = unsafe { pg_sys::GetTopTransactionId() };
+        if registry::release_orphans(index, epoch, xid).unwrap_or(false) {
+            orphans.waiting.remove(&index);
+        }
     }
 }
 

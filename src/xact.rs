@@ -43,7 +43,8 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
     }
 }
 
-/// A rolled-back savepoint takes back what it did to the catalog.
+/// A rolled-back savepoint takes back what it did to the catalog, and the
+/// holds it released.
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn on_subxact_event(
     event: pg_sys::SubXactEvent::Type,
@@ -53,10 +54,12 @@ unsafe extern "C-unwind" fn on_subxact_event(
 ) {
     match event {
         pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
-            catalog::end_subtransaction(false, subxact, parent)
+            catalog::end_subtransaction(false, subxact, parent);
+            registry::end_subtransaction(false, subxact, parent);
         }
         pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
-            catalog::end_subtransaction(true, subxact, parent)
+            catalog::end_subtransaction(true, subxact, parent);
+            registry::end_subtransaction(true, subxact, parent);
         }
         _ => {}
     }

@@ -115,7 +115,7 @@ fn in_flight(
     'static,
     (
         name!(stream_name, String),
-        name!(instance_name, String),
+        name!(instance_name, Option<String>),
         name!(pid, Option<i32>),
         name!(xid, Option<pg_sys::TransactionId>),
         name!(min_id, i64),
@@ -148,15 +148,16 @@ fn in_flight(
             (r.min_id, r.max_id)
         };
         // Another role's backend: its pid, xid and start time only where
-        // pg_stat_activity would show its activity.
-        let visible = may_see_backend_of(r.role);
+        // pg_stat_activity would show its activity. Orphaned holds (no
+        // backend) show none of them.
+        let visible = r.pid.is_some() && may_see_backend_of(r.role);
         let since = TimestampWithTimeZone::try_from(r.since)
             .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity());
         rows.push((
             meta.name.clone(),
             r.instance_name,
-            visible.then_some(r.pid),
-            visible.then_some(r.xid),
+            r.pid.filter(|_| visible),
+            r.xid.filter(|_| visible),
             lo,
             hi,
             r.ids,

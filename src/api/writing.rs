@@ -1,5 +1,6 @@
 //! Allocation: `next_id` and `next_ids`, inside the transaction that persists
-//! the rows.
+//! the rows; `hold_ids` and `release_ids`, for rows that other transactions
+//! write.
 
 use pgrx::prelude::*;
 
@@ -7,7 +8,7 @@ use crate::engine;
 
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn next_id(stream: &str, writer: &str) -> i64 {
-    engine::allocate(stream, writer, 1)
+    engine::allocate(stream, writer, 1, false)
         .first()
         .copied()
         .unwrap_or(0)
@@ -15,5 +16,22 @@ fn next_id(stream: &str, writer: &str) -> i64 {
 
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn next_ids(stream: &str, writer: &str, n: i32) -> Vec<i64> {
-    engine::allocate(stream, writer, n)
+    engine::allocate(stream, writer, n, false)
+}
+
+/// IDs held by the session rather than its transaction: in flight until
+/// `release_ids` (or the end of the session), for rows that other
+/// transactions write. If the calling transaction aborts, they are
+/// abandoned with it.
+#[pg_extern(volatile, strict, parallel_unsafe)]
+fn hold_ids(stream: &str, writer: &str, n: default!(i32, 1)) -> Vec<i64> {
+    engine::allocate(stream, writer, n, true)
+}
+
+/// Release a hold of this session: its IDs are finished with the commit of
+/// the calling transaction (a reader passes them only in a snapshot that
+/// sees that commit); if it aborts, the hold goes on.
+#[pg_extern(volatile, strict, parallel_unsafe)]
+fn release_ids(stream: &str, ids: Vec<i64>) {
+    engine::release(stream, &ids)
 }

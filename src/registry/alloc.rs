@@ -8,7 +8,8 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
 use super::shmem::{
-    self, Active, Finished, Locked, Section, FREE_ACTIVE, HEADER, NAME_BYTES, SEEN_WRITERS,
+    self, Active, Finished, Locked, Section, StreamState, ALL_WRITERS, FREE_ACTIVE, HEADER,
+    NAME_BYTES, SEEN_WRITERS,
 };
 use super::streams::{matches, Stale};
 use super::visibility::{durable_lsn, fold_into_summary, latest_completed, wait_until_durable};
@@ -31,22 +32,42 @@ pub fn holding() -> bool {
 #[derive(Clone, Copy)]
 pub struct Allocation {
     pub entry: usize,
+    /// A hold (a session entry), not a transaction entry.
+    pub hold: bool,
     lower_bound: i64,
+}
+
+/// What an allocation is for.
+pub struct Request<'a> {
+    /// The stream's state, and the stream it must still be.
+    pub stream: usize,
+    pub key: i32,
+    pub seq: pg_sys::Oid,
+    pub instance: i32,
+    pub instance_name: &'a str,
+    /// Any instance may write (a configured stream's tokens list its
+    /// configured writers).
+    pub open_stream: bool,
+    /// Held by the session (`hold_ids`), not by the transaction.
+    pub hold: bool,
+    pub xid: TransactionId,
 }
 
 /// Step 1 of an allocation: publish, before `nextval` runs, a lower bound
 /// for the IDs this transaction is about to take. Without it a reader could
 /// see a later ID registered by another writer and report a frontier past
 /// ours.
-pub fn begin_allocation(
-    stream: usize,
-    key: i32,
-    seq: pg_sys::Oid,
-    instance: i32,
-    instance_name: &str,
-    open_stream: bool,
-    xid: TransactionId,
-) -> Result<Result<Allocation, Stale>, Error> {
+pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, Error> {
+    let &Request {
+        stream,
+        key,
+        seq,
+        instance,
+        instance_name,
+        open_stream,
+        hold,
+        xid,
+    } = request;
     let slot_index = shmem::my_slot_index()?;
     register_exit_callback();
     let stream_i32 = stream as i32;
@@ -64,6 +85,11 @@ pub fn begin_allocation(
         lsn: 0,
         durable_from: 0,
         reserved_seen: false,
+        confirmed: false,
+        releasing: false,
+        release_subxact: 0,
+        shadow: false,
+        orphan_epoch: 0,
         name: [0; NAME_BYTES],
     };
     let len = instance_name.len().min(NAME_BYTES - 1);
@@ -81,25 +107,41 @@ pub fn begin_allocation(
         return Ok(Err(Stale));
     }
     let lower_bound = locked.streams()[stream].max_allocated.saturating_add(1);
-    if let Some(i) = locked
-        .entries_in_use(slot_index)
-        .iter()
-        .position(|a| a.stream == stream_i32 && a.instance == instance)
-    {
-        // The existing entry's minimum is already below anything new, as
-        // long as the new IDs are above what was allocated by now.
-        return Ok(Ok(Allocation {
-            entry: i,
-            lower_bound,
-        }));
+    // A transaction reuses its entry for the stream and writer; each hold
+    // is an entry of its own.
+    if !hold {
+        if let Some(i) = locked
+            .entries_in_use(slot_index)
+            .iter()
+            .position(|a| a.stream == stream_i32 && a.instance == instance && !a.shadow)
+        {
+            // The existing entry's minimum is already below anything new,
+            // as long as the new IDs are above what was allocated by now.
+            return Ok(Ok(Allocation {
+                entry: i,
+                hold,
+                lower_bound,
+            }));
+        }
     }
-    let header = &mut locked.slot_headers()[slot_index];
-    let i = header.used as usize;
-    let slot = locked.slot(slot_index);
-    if i >= slot.len() {
-        return Err(Error::RegistryFull {
-            what: "entry for this transaction",
-            guc: "streampos.max_streams_per_transaction",
+    let header = &locked.slot_headers()[slot_index];
+    let was_active = header.used > 0 || header.held > 0;
+    let (i, room) = if hold {
+        (header.held as usize, locked.session_slot(slot_index).len())
+    } else {
+        (header.used as usize, locked.slot(slot_index).len())
+    };
+    if i >= room {
+        return Err(if hold {
+            Error::RegistryFull {
+                what: "hold for this session",
+                guc: "streampos.max_held_per_session",
+            }
+        } else {
+            Error::RegistryFull {
+                what: "entry for this transaction",
+                guc: "streampos.max_streams_per_transaction",
+            }
         });
     }
     // A writer the stream does not remember yet needs a place among the
@@ -122,20 +164,25 @@ pub fn begin_allocation(
     entry.min_id = lower_bound;
     entry.max_id = lower_bound;
     entry.durable_from = lower_bound;
-    slot[i] = entry;
+    let header = &mut locked.slot_headers()[slot_index];
     header.pid = pid;
     header.db = db;
     header.role = role;
     // SAFETY: backend-local flag.
     unsafe { HOLDING = true };
     // Counted once written: lock-free readers copy entries below `used`
-    // (this section does not move the seqlock counter).
-    shmem::publish(&mut header.used, i as u32 + 1);
-    if i == 0 {
-        locked.activate_slot(slot_index);
+    // and `held` (this section does not move the seqlock counter).
+    if hold {
+        locked.session_slot(slot_index)[i] = entry;
+        shmem::publish(&mut header.held, i as u32 + 1);
+    } else {
+        locked.slot(slot_index)[i] = entry;
+        shmem::publish(&mut header.used, i as u32 + 1);
     }
+    locked.update_active(slot_index, was_active);
     Ok(Ok(Allocation {
         entry: i,
+        hold,
         lower_bound,
     }))
 }
@@ -174,12 +221,22 @@ pub fn finish_allocation(
     // would hold every writer back again (positions would go back).
     // SAFETY: the registry is loaded (`my_slot_index` succeeded) and the
     // slot is this backend's own.
-    let earlier = unsafe { shmem::own_slot_unlocked(slot_index)[allocation.entry] };
+    let earlier = unsafe {
+        if allocation.hold {
+            shmem::own_holds_unlocked(slot_index)[allocation.entry]
+        } else {
+            shmem::own_slot_unlocked(slot_index)[allocation.entry]
+        }
+    };
     if !earlier.pending && lsn > earlier.lsn {
         wait_until_durable(earlier.lsn);
     }
     let locked = Locked::acquire(Section::FinishAllocation)?;
-    let a = &mut locked.slot(slot_index)[allocation.entry];
+    let a = if allocation.hold {
+        &mut locked.session_slot(slot_index)[allocation.entry]
+    } else {
+        &mut locked.slot(slot_index)[allocation.entry]
+    };
     // In this order, for lock-free readers (this section does not move the
     // seqlock counter): the WAL position, then where it starts to count,
     // then the first ID and `pending`, then the highest allocated ID. A
@@ -203,9 +260,266 @@ pub fn finish_allocation(
     Ok(())
 }
 
-/// The IDs handed out by this backend's transaction are finished. Called from
-/// the commit and abort callbacks: nothing here may raise an ERROR or panic,
-/// allocate, or run SQL.
+/// Put the hold of this session on `stream` that handed out `(first, last,
+/// count)` in the running transaction's hands: a shadow entry with its xid
+/// (finished at its commit), the hold marked releasing (gone at that
+/// commit). False when this session has no such hold.
+pub fn release_hold(
+    stream: usize,
+    key: i32,
+    seq: pg_sys::Oid,
+    ids: (i64, i64, i64),
+    xid: TransactionId,
+    subxact: pg_sys::SubTransactionId,
+) -> Result<Result<bool, Stale>, Error> {
+    let slot_index = shmem::my_slot_index()?;
+    // Only adds an entry, in the order readers rely on (see
+    // `Section::moves_entries`): the shadow holds as much as the hold.
+    let locked = Locked::acquire(Section::BeginAllocation)?;
+    if !matches(&locked.streams()[stream], key, seq) {
+        return Ok(Err(Stale));
+    }
+    let (first, last, count) = ids;
+    let Some(k) = locked.holds_in_use(slot_index).iter().position(|a| {
+        a.stream == stream as i32
+            && !a.pending
+            && !a.releasing
+            && a.min_id == first
+            && a.max_id == last
+            && a.count == count
+    }) else {
+        return Ok(Ok(false));
+    };
+    let i = locked.slot_headers()[slot_index].used as usize;
+    if i >= locked.slot(slot_index).len() {
+        return Err(Error::RegistryFull {
+            what: "entry for this transaction",
+            guc: "streampos.max_streams_per_transaction",
+        });
+    }
+    let hold = &mut locked.holds_in_use(slot_index)[k];
+    hold.releasing = true;
+    hold.release_subxact = subxact;
+    let shadow = Active {
+        xid,
+        shadow: true,
+        reserved_seen: false,
+        releasing: false,
+        ..*hold
+    };
+    locked.slot(slot_index)[i] = shadow;
+    // SAFETY: backend-local flag.
+    unsafe { HOLDING = true };
+    let header = &mut locked.slot_headers()[slot_index];
+    shmem::publish(&mut header.used, i as u32 + 1);
+    // The slot is active already: it has the hold.
+    Ok(Ok(true))
+}
+
+/// A subtransaction ended: releases made in it go with an abort, or belong
+/// to its parent after a commit. (Its shadow entries stay: the hold holds
+/// as much, and they finish nothing the hold does not.)
+pub fn end_subtransaction(
+    committed: bool,
+    subxact: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+) {
+    // SAFETY: HEADER checked non-null; the slot is this backend's own.
+    unsafe {
+        if !HOLDING || HEADER.is_null() {
+            return;
+        }
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let slot = procno as usize;
+        if !shmem::own_holds_unlocked(slot)
+            .iter()
+            .any(|a| a.releasing && a.release_subxact == subxact)
+        {
+            return;
+        }
+        // Flags readers never read: no entry moves.
+        let locked = Locked::acquire_raw(HEADER, Section::BeginAllocation);
+        for a in locked.holds_in_use(slot).iter_mut() {
+            if a.releasing && a.release_subxact == subxact {
+                if committed {
+                    a.release_subxact = parent;
+                } else {
+                    a.releasing = false;
+                }
+            }
+        }
+    }
+}
+
+/// The orphaned holds of every stream of database `db`: (state index,
+/// key, epoch).
+pub fn orphans_of(db: pg_sys::Oid) -> Vec<(usize, i32, u64)> {
+    let Ok(locked) = Locked::acquire(Section::OtherShared) else {
+        return Vec::new();
+    };
+    locked
+        .streams()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.db == db && s.orphans.valid)
+        .map(|(i, s)| (i, s.key, s.orphans.epoch))
+        .collect()
+}
+
+/// The position worker releases a stream's orphaned holds (as of `epoch`)
+/// in its running transaction, whose xid is `xid`: a shadow entry holding
+/// every writer from their lowest ID, finished at its commit, which then
+/// clears the orphans if none came since. False when there is nothing
+/// (left) to release.
+pub fn release_orphans(stream: usize, epoch: u64, xid: TransactionId) -> Result<bool, Error> {
+    let slot_index = shmem::my_slot_index()?;
+    register_exit_callback();
+    let locked = Locked::acquire(Section::BeginAllocation)?;
+    let o = &locked.streams()[stream].orphans;
+    if !o.valid || o.epoch != epoch {
+        return Ok(false);
+    }
+    let i = locked.slot_headers()[slot_index].used as usize;
+    if i >= locked.slot(slot_index).len() {
+        return Ok(false);
+    }
+    let header = &locked.slot_headers()[slot_index];
+    let was_active = header.used > 0 || header.held > 0;
+    locked.slot(slot_index)[i] = Active {
+        stream: stream as i32,
+        instance: ALL_WRITERS,
+        min_id: o.min_id,
+        max_id: o.min_id,
+        count: 0,
+        xid,
+        pending: false,
+        // SAFETY: plain read of the transaction's start time.
+        since: unsafe { unguarded::GetCurrentTransactionStartTimestamp() },
+        lsn: o.lsn,
+        durable_from: o.min_id,
+        shadow: true,
+        orphan_epoch: epoch,
+        ..FREE_ACTIVE
+    };
+    // SAFETY: backend-local flag.
+    unsafe { HOLDING = true };
+    let header = &mut locked.slot_headers()[slot_index];
+    // SAFETY: process identity globals.
+    unsafe {
+        header.pid = pg_sys::MyProcPid;
+        header.db = pg_sys::MyDatabaseId;
+        header.role = unguarded::GetUserId();
+    }
+    shmem::publish(&mut header.used, i as u32 + 1);
+    locked.update_active(slot_index, was_active);
+    Ok(true)
+}
+
+/// Streams to wake after a lock section, without allocating.
+struct Woken {
+    streams: [usize; 16],
+    n: usize,
+    all: bool,
+}
+
+impl Woken {
+    fn new() -> Woken {
+        Woken {
+            streams: [usize::MAX; 16],
+            n: 0,
+            all: false,
+        }
+    }
+
+    fn add(&mut self, stream: usize) {
+        if self.streams[..self.n].contains(&stream) {
+            return;
+        }
+        if self.n < self.streams.len() {
+            self.streams[self.n] = stream;
+            self.n += 1;
+        } else {
+            self.all = true;
+        }
+    }
+
+    /// Broadcast outside the lock; a condition variable with no sleepers
+    /// costs one spinlock.
+    ///
+    /// # Safety
+    /// `streams` points at the registry's `n_streams` stream states.
+    unsafe fn broadcast(&self, streams: *mut StreamState, n_streams: usize) {
+        // SAFETY: forwarded from the caller; ConditionVariableBroadcast
+        // raises no error.
+        unsafe {
+            if self.all {
+                for i in 0..n_streams {
+                    unguarded::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+                }
+            } else {
+                for &i in &self.streams[..self.n] {
+                    unguarded::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
+                }
+            }
+        }
+    }
+}
+
+/// Move an ended allocation `a` to the finished ring: a commit stays there
+/// for snapshots that do not see it yet, an abort only while its IDs are
+/// not durable (`durable`).
+fn push_finished(locked: &Locked, a: &Active, committed: bool, stamp: TransactionId, durable: u64) {
+    // An allocation that failed before recording its WAL position is held
+    // until everything inserted so far is durable.
+    let (lsn, durable_from) = if a.pending {
+        // SAFETY: reads the insert pointer under its spinlock; no error.
+        (unsafe { unguarded::GetXLogInsertRecPtr() }, a.min_id)
+    } else {
+        (a.lsn, a.durable_from)
+    };
+    if !committed && lsn <= durable {
+        return;
+    }
+    let entry = Finished {
+        stream: a.stream,
+        instance: a.instance,
+        xid: a.xid,
+        latest_completed: stamp,
+        min_id: a.min_id,
+        durable_from,
+        lsn,
+        lsn_prefix_max: 0,
+        aborted: !committed,
+    };
+    // Full: the oldest entry makes room and is folded into its stream's
+    // summary.
+    if let Some(evicted) = locked.ring_push(entry) {
+        fold_into_summary(
+            &mut locked.streams()[evicted.stream as usize].summary,
+            &evicted,
+        );
+    }
+}
+
+/// The entry (a transaction's or a hold) no longer holds a place among its
+/// stream's writers; with `committed`, its writer is remembered (the place
+/// was reserved when the entry was created, or the writer was remembered
+/// then, and stays so).
+fn settle_seen(s: &mut StreamState, a: &Active, committed: bool) {
+    if a.reserved_seen {
+        s.seen_reserved = s.seen_reserved.saturating_sub(1);
+    }
+    if committed && a.instance != ALL_WRITERS {
+        s.add_seen(a.instance);
+    }
+}
+
+/// The IDs handed out by this backend's transaction are finished, and its
+/// holds taken, released or given back. Called from the commit and abort
+/// callbacks: nothing here may raise an ERROR or panic, allocate, or run SQL.
 pub fn end_transaction(committed: bool) {
     // SAFETY: runs in this backend only; HEADER is checked non-null; the
     // slot index is this backend's own and checked against n_slots; the
@@ -221,6 +535,7 @@ pub fn end_transaction(committed: bool) {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
+        let slot = procno as usize;
         crate::guc::test_pause_before_release();
         if !committed {
             // An abort releases its IDs, so the sequence record that covers
@@ -229,7 +544,7 @@ pub fn end_transaction(committed: bool) {
             // logs once per 32 values and after a checkpoint. An allocation
             // that failed before recording its WAL position is covered by
             // flushing everything inserted so far.
-            let needed = own_slot_lsn_needed(procno as usize);
+            let needed = own_slot_lsn_needed(slot, true);
             if needed > unguarded::GetFlushRecPtr(ptr::null_mut()) {
                 pg_sys::XLogFlush(needed);
             }
@@ -241,82 +556,116 @@ pub fn end_transaction(committed: bool) {
         // Read under the lock, after our own end: every snapshot whose xmax
         // is past it + 1 was taken after this push (see visibility.rs).
         let stamp = latest_completed();
-        // Streams to wake, without allocating.
-        let mut woken = [usize::MAX; 16];
-        let mut n_woken = 0;
-        let mut wake_all = false;
-        for a in locked.entries_in_use(procno as usize).iter_mut() {
+        let mut woken = Woken::new();
+        let header = &locked.slot_headers()[slot];
+        let was_active = header.used > 0 || header.held > 0;
+        for a in locked.entries_in_use(slot).iter_mut() {
             let stream = a.stream as usize;
-            if !woken[..n_woken].contains(&stream) {
-                if n_woken < woken.len() {
-                    woken[n_woken] = stream;
-                    n_woken += 1;
-                } else {
-                    wake_all = true;
+            woken.add(stream);
+            if a.shadow {
+                // A released hold: finished with this commit (the hold
+                // itself goes below); after an abort the hold goes on.
+                if committed {
+                    push_finished(&locked, a, true, stamp, durable);
+                    if a.instance == ALL_WRITERS {
+                        let orphans = &mut locked.streams()[stream].orphans;
+                        if orphans.valid && orphans.epoch == a.orphan_epoch {
+                            orphans.valid = false;
+                        }
+                    }
                 }
-            }
-            // An allocation that failed before recording its WAL position
-            // is held until everything inserted so far is durable.
-            let (lsn, durable_from) = if a.pending {
-                (unguarded::GetXLogInsertRecPtr(), a.min_id)
             } else {
-                (a.lsn, a.durable_from)
-            };
-            // A commit stays in the ring for snapshots that do not see it
-            // yet; an abort only while its IDs are not durable.
-            if committed || lsn > durable {
-                let entry = Finished {
-                    stream: a.stream,
-                    instance: a.instance,
-                    xid: a.xid,
-                    latest_completed: stamp,
-                    min_id: a.min_id,
-                    durable_from,
-                    lsn,
-                    lsn_prefix_max: 0,
-                    aborted: !committed,
-                };
-                // Full: the oldest entry makes room and is folded into its
-                // stream's summary.
-                if let Some(evicted) = locked.ring_push(entry) {
-                    fold_into_summary(
-                        &mut locked.streams()[evicted.stream as usize].summary,
-                        &evicted,
-                    );
-                }
+                push_finished(&locked, a, committed, stamp, durable);
+                settle_seen(&mut locked.streams()[stream], a, committed);
             }
-            let s = &mut locked.streams()[stream];
-            if a.reserved_seen {
-                s.seen_reserved = s.seen_reserved.saturating_sub(1);
-            }
-            // Room was reserved when the entry was created (or the writer
-            // was remembered then, and stays so).
-            if committed {
-                s.add_seen(a.instance);
-            }
-            s.generation += 1;
+            locked.streams()[stream].generation += 1;
             *a = FREE_ACTIVE;
         }
-        let header = &mut locked.slot_headers()[procno as usize];
-        let was_active = header.used > 0;
-        header.used = 0;
-        if was_active {
-            locked.deactivate_slot(procno as usize);
+        locked.slot_headers()[slot].used = 0;
+        // Holds: taken in this transaction (confirmed by its commit,
+        // abandoned by its abort, like its own IDs; failed half-way:
+        // abandoned), or released in it (gone with its commit).
+        let holds = locked.session_slot(slot);
+        let mut held = locked.slot_headers()[slot].held as usize;
+        let mut k = 0;
+        while k < held {
+            let a = holds[k];
+            let stream = a.stream as usize;
+            let abandoned = a.pending || (!a.confirmed && !committed);
+            let released = committed && a.releasing;
+            if abandoned || released {
+                if abandoned {
+                    push_finished(&locked, &a, false, stamp, durable);
+                }
+                settle_seen(&mut locked.streams()[stream], &a, released);
+                locked.streams()[stream].generation += 1;
+                woken.add(stream);
+                held -= 1;
+                holds[k] = holds[held];
+                holds[held] = FREE_ACTIVE;
+                continue;
+            }
+            let a = &mut holds[k];
+            a.confirmed = true;
+            a.releasing = false;
+            k += 1;
         }
+        locked.slot_headers()[slot].held = held as u32;
+        locked.update_active(slot, was_active);
         let streams = locked.streams().as_mut_ptr();
         let n_streams = h.n_streams as usize;
         drop(locked);
-        // Broadcasting outside the lock; a condition variable with no
-        // sleepers costs one spinlock.
-        if wake_all {
-            for i in 0..n_streams {
-                unguarded::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
-            }
-        } else {
-            for &i in &woken[..n_woken] {
-                unguarded::ConditionVariableBroadcast(&mut (*streams.add(i)).cv);
-            }
+        woken.broadcast(streams, n_streams);
+    }
+}
+
+/// A session that ends with holds leaves them to the position worker
+/// (`Orphans`): folded into their streams' records, which hold every
+/// writer back from their lowest ID. Called at backend exit, after the
+/// open transaction was given up; nothing here may raise an ERROR.
+fn orphan_holds() {
+    // SAFETY: as in `end_transaction`.
+    unsafe {
+        if HEADER.is_null() {
+            return;
         }
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let slot = procno as usize;
+        if shmem::own_holds_unlocked(slot).is_empty() {
+            return;
+        }
+        let locked = Locked::acquire_raw(HEADER, Section::EndTransaction);
+        let header = &locked.slot_headers()[slot];
+        let was_active = header.used > 0 || header.held > 0;
+        let mut woken = Woken::new();
+        for a in locked.holds_in_use(slot).iter_mut() {
+            let stream = a.stream as usize;
+            let s = &mut locked.streams()[stream];
+            // The writer's rows are other transactions': it stays listed.
+            settle_seen(s, a, true);
+            let o = &mut s.orphans;
+            if o.valid {
+                o.min_id = o.min_id.min(a.min_id);
+                o.lsn = o.lsn.max(a.lsn);
+            } else {
+                o.valid = true;
+                o.min_id = a.min_id;
+                o.lsn = a.lsn;
+            }
+            o.epoch += 1;
+            s.generation += 1;
+            woken.add(stream);
+            *a = FREE_ACTIVE;
+        }
+        locked.slot_headers()[slot].held = 0;
+        locked.update_active(slot, was_active);
+        let streams = locked.streams().as_mut_ptr();
+        let n_streams = locked.h().n_streams as usize;
+        drop(locked);
+        woken.broadcast(streams, n_streams);
     }
 }
 
@@ -340,33 +689,43 @@ pub fn flush_before_commit() {
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
-        let needed = own_slot_lsn_needed(procno as usize);
+        let needed = own_slot_lsn_needed(procno as usize, false);
         if needed > unguarded::GetFlushRecPtr(ptr::null_mut()) {
             pg_sys::XLogFlush(needed);
         }
     }
 }
 
-/// The highest WAL position this backend's entries need durable; for an
-/// allocation that failed before recording it, everything inserted so far.
+/// The highest WAL position this backend's entries need durable (with
+/// `aborting`, also the holds the abort gives up); for an allocation that
+/// failed before recording it, everything inserted so far.
 ///
 /// # Safety
 /// The registry must be initialised and `slot` must be the caller's.
-unsafe fn own_slot_lsn_needed(slot: usize) -> u64 {
-    // SAFETY: forwarded from the caller; GetXLogInsertRecPtr raises no error.
+unsafe fn own_slot_lsn_needed(slot: usize, aborting: bool) -> u64 {
+    let needed = |a: &Active| {
+        if a.pending {
+            // SAFETY: GetXLogInsertRecPtr raises no error.
+            unsafe { unguarded::GetXLogInsertRecPtr() }
+        } else {
+            a.lsn
+        }
+    };
+    // SAFETY: forwarded from the caller.
     unsafe {
-        shmem::own_slot_unlocked(slot)
+        let own = shmem::own_slot_unlocked(slot)
             .iter()
             .filter(|a| a.stream >= 0)
-            .map(|a| {
-                if a.pending {
-                    unguarded::GetXLogInsertRecPtr()
-                } else {
-                    a.lsn
-                }
-            })
+            .map(needed)
             .max()
-            .unwrap_or(0)
+            .unwrap_or(0);
+        let holds = shmem::own_holds_unlocked(slot)
+            .iter()
+            .filter(|a| a.pending || (aborting && !a.confirmed))
+            .map(needed)
+            .max()
+            .unwrap_or(0);
+        own.max(holds)
     }
 }
 
@@ -389,23 +748,29 @@ fn register_exit_callback() {
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     end_transaction(false);
+    orphan_holds();
 }
 
 /// One row of `streampos.in_flight()`.
 pub struct InFlight {
     pub db: pg_sys::Oid,
     pub key: i32,
-    pub instance_name: String,
+    /// None for orphaned holds (of sessions that ended), whose writers
+    /// were merged.
+    pub instance_name: Option<String>,
     pub role: pg_sys::Oid,
-    pub pid: i32,
-    pub xid: TransactionId,
+    /// None for orphaned holds.
+    pub pid: Option<i32>,
+    /// None for holds: a session holds them, not a transaction.
+    pub xid: Option<TransactionId>,
     pub min_id: i64,
     pub max_id: i64,
     pub ids: i64,
     pub since: pg_sys::TimestampTz,
 }
 
-/// Every allocation of a transaction that has not ended, in any database.
+/// Every allocation of a transaction that has not ended, every hold, and
+/// every stream's orphaned holds, in any database.
 pub fn in_flight() -> Result<Vec<InFlight>, Error> {
     let locked = Locked::acquire(Section::OtherShared)?;
     let streams = locked.streams();
@@ -413,24 +778,43 @@ pub fn in_flight() -> Result<Vec<InFlight>, Error> {
     for &slot_index in locked.active_slots() {
         let slot_index = slot_index as usize;
         let header = &locked.slot_headers()[slot_index];
-        for a in locked.entries_in_use(slot_index).iter() {
+        let entries = locked
+            .entries_in_use(slot_index)
+            .iter()
+            .filter(|a| !a.shadow);
+        let holds = locked.holds_in_use(slot_index).iter();
+        for (a, is_hold) in entries.map(|a| (a, false)).chain(holds.map(|a| (a, true))) {
             let s = &streams[a.stream as usize];
             rows.push(InFlight {
                 db: s.db,
                 key: s.key,
-                instance_name: String::from_utf8_lossy(
-                    a.name.split(|&b| b == 0).next().unwrap_or_default(),
-                )
-                .into_owned(),
+                instance_name: Some(
+                    String::from_utf8_lossy(a.name.split(|&b| b == 0).next().unwrap_or_default())
+                        .into_owned(),
+                ),
                 role: header.role,
-                pid: header.pid,
-                xid: a.xid,
+                pid: Some(header.pid),
+                xid: (!is_hold).then_some(a.xid),
                 min_id: a.min_id,
                 max_id: a.max_id,
                 ids: a.count,
                 since: a.since,
             });
         }
+    }
+    for s in streams.iter().filter(|s| s.in_use && s.orphans.valid) {
+        rows.push(InFlight {
+            db: s.db,
+            key: s.key,
+            instance_name: None,
+            role: pg_sys::InvalidOid,
+            pid: None,
+            xid: None,
+            min_id: s.orphans.min_id,
+            max_id: s.max_allocated.max(s.orphans.min_id),
+            ids: 0,
+            since: 0,
+        });
     }
     Ok(rows)
 }

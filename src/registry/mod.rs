@@ -28,7 +28,8 @@ mod wait;
 mod workers;
 
 pub use alloc::{
-    begin_allocation, end_transaction, finish_allocation, flush_before_commit, holding, in_flight,
+    begin_allocation, end_subtransaction, end_transaction, finish_allocation, flush_before_commit,
+    holding, in_flight, orphans_of, release_hold, release_orphans, Request,
 };
 pub use shmem::{
     catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,

@@ -35,7 +35,10 @@ pub(super) struct Header {
     pub n_streams: u32,
     pub ring_cap: u32,
     pub n_slots: u32,
+    /// Entries of a transaction per backend slot...
     pub per_slot: u32,
+    /// ...followed by the entries of the session's holds (`hold_ids`).
+    pub per_session: u32,
     /// The finished ring is a FIFO in push order: `ring_head` is the
     /// oldest entry, `ring_used` the number of entries.
     pub ring_head: u32,
@@ -211,11 +214,30 @@ pub(super) struct StreamState {
     /// Places in `seen` promised to transactions in flight whose writer is
     /// not in it yet (`begin_allocation`): their commit always finds room.
     pub seen_reserved: u32,
+    /// Holds of sessions that ended without releasing them.
+    pub orphans: Orphans,
     /// When the server may lack history: the maximum allocated ID loaded
     /// from the sequence. IDs below it that no row here has may have been
     /// handed out by a history this server lost (a follower holding one
     /// must resynchronise); 0 otherwise.
     pub replayed_ceiling: i64,
+}
+
+/// The holds of sessions that ended without releasing them, one record per
+/// stream: they hold every writer back from the lowest ID until the
+/// position worker has seen every transaction that was running when they
+/// were orphaned end, and released them in a transaction of its own (a
+/// reader sees them finished only once it sees that transaction's commit,
+/// which came after every such transaction: it sees their rows).
+#[repr(C)]
+pub(super) struct Orphans {
+    pub valid: bool,
+    pub min_id: i64,
+    /// The highest WAL position the orphaned IDs need durable.
+    pub lsn: u64,
+    /// Moves at every orphaning: the worker releases only what it waited
+    /// for.
+    pub epoch: u64,
 }
 
 /// A finished allocation kept for snapshots that may not see its end yet.
@@ -276,6 +298,22 @@ pub(super) struct Active {
     /// This entry holds a place in its stream's `seen` (its writer was not
     /// there when it was created).
     pub reserved_seen: bool,
+    /// A hold (session entry) whose taking transaction committed: it now
+    /// outlives transactions. Until then, an abort abandons it.
+    pub confirmed: bool,
+    /// A hold that `release_ids` released in the running transaction: it
+    /// goes at that transaction's commit (its shadow entry, with the
+    /// transaction's xid, takes over in the finished ring), and stays if
+    /// the transaction, or `release_subxact`, aborts.
+    pub releasing: bool,
+    pub release_subxact: pg_sys::SubTransactionId,
+    /// A transaction entry standing in for a hold this transaction
+    /// releases: finished at commit like the transaction's own IDs, dropped
+    /// at abort (the hold goes on holding).
+    pub shadow: bool,
+    /// A shadow with instance `ALL_WRITERS` stands in for its stream's
+    /// orphans as of this `Orphans::epoch`.
+    pub orphan_epoch: u64,
     /// The instance's name (NUL-padded), for `in_flight()`: a name created
     /// by this still-running transaction is not in any other snapshot.
     pub name: [u8; NAME_BYTES],
@@ -293,8 +331,17 @@ pub(super) const FREE_ACTIVE: Active = Active {
     lsn: 0,
     durable_from: 0,
     reserved_seen: false,
+    confirmed: false,
+    releasing: false,
+    release_subxact: 0,
+    shadow: false,
+    orphan_epoch: 0,
     name: [0; NAME_BYTES],
 };
+
+/// The instance of an entry that holds back every writer (a released
+/// orphan, see `Orphans`): instance ids are positive.
+pub const ALL_WRITERS: i32 = 0;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -304,7 +351,9 @@ pub(super) struct SlotHeader {
     /// The role the backend allocated as (for `in_flight()`'s privacy).
     pub role: pg_sys::Oid,
     pub used: u32,
-    /// While `used > 0`: this slot's place in the active list.
+    /// Session entries in use (holds), the first `held`.
+    pub held: u32,
+    /// While `used > 0` or `held > 0`: this slot's place in the active list.
     pub active_at: u32,
 }
 
@@ -325,13 +374,19 @@ fn align8(n: usize) -> usize {
     (n + 7) & !7
 }
 
-pub(super) fn layout(n_streams: usize, ring_cap: usize, n_slots: usize, per_slot: usize) -> Layout {
+pub(super) fn layout(
+    n_streams: usize,
+    ring_cap: usize,
+    n_slots: usize,
+    per_slot: usize,
+    per_session: usize,
+) -> Layout {
     let streams = align8(size_of::<Header>());
     let ring = streams + align8(n_streams * size_of::<StreamState>());
     let slot_headers = ring + align8(ring_cap * size_of::<Finished>());
     let active = slot_headers + align8(n_slots * size_of::<SlotHeader>());
     let entries = active + align8(n_slots * size_of::<u32>());
-    let total = entries + align8(n_slots * per_slot * size_of::<Active>());
+    let total = entries + align8(n_slots * (per_slot + per_session) * size_of::<Active>());
     #[cfg(feature = "lock-stats")]
     let (lock_stats, total) = (total, total + super::lock_stats::bytes(n_slots));
     Layout {
@@ -390,6 +445,7 @@ unsafe extern "C-unwind" fn shmem_request() {
             ring_capacity(slot_count(), per_slot),
             slot_count(),
             per_slot,
+            guc::MAX_HELD_PER_SESSION.get() as usize,
         );
         pg_sys::RequestAddinShmemSpace(l.total);
         pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 1);
@@ -409,8 +465,9 @@ unsafe extern "C-unwind" fn shmem_startup() {
         let n_streams = guc::MAX_STREAMS.get() as usize;
         let n_slots = slot_count();
         let per_slot = guc::MAX_STREAMS_PER_TRANSACTION.get() as usize;
+        let per_session = guc::MAX_HELD_PER_SESSION.get() as usize;
         let ring_cap = ring_capacity(n_slots, per_slot);
-        let l = layout(n_streams, ring_cap, n_slots, per_slot);
+        let l = layout(n_streams, ring_cap, n_slots, per_slot, per_session);
 
         // AddinShmemInitLock is MainLWLockArray[21] (lwlocknames.txt).
         let addin_shmem_init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
@@ -430,9 +487,10 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*header).ring_cap = ring_cap as u32;
             (*header).n_slots = n_slots as u32;
             (*header).per_slot = per_slot as u32;
+            (*header).per_session = per_session as u32;
             (*header).may_lack_history = may_lack_history();
             let entries = base.add(l.entries) as *mut Active;
-            for i in 0..n_slots * per_slot {
+            for i in 0..n_slots * (per_slot + per_session) {
                 entries.add(i).write(FREE_ACTIVE);
             }
         }
@@ -675,15 +733,45 @@ impl Locked {
         &mut self.slot(index)[..used]
     }
 
-    /// The entries of backend slot `index` (< `n_slots`).
+    /// The transaction entries of backend slot `index` (< `n_slots`).
     pub fn slot(&self, index: usize) -> &mut [Active] {
-        let per = self.h().per_slot as usize;
+        let (per, session) = (self.h().per_slot as usize, self.h().per_session as usize);
         debug_assert!(index < self.h().n_slots as usize, "slot index out of range");
-        // SAFETY: the entries are `n_slots * per_slot` initialised `Active`s;
-        // callers pass their own or a scanned index, below `n_slots`.
+        // SAFETY: each slot has `per_slot + per_session` initialised
+        // `Active`s; callers pass their own or a scanned index, below
+        // `n_slots`.
         unsafe {
             let entries = self.base().add(self.layout().entries) as *mut Active;
-            std::slice::from_raw_parts_mut(entries.add(index * per), per)
+            std::slice::from_raw_parts_mut(entries.add(index * (per + session)), per)
+        }
+    }
+
+    /// The session entries (holds) of backend slot `index` (< `n_slots`).
+    pub fn session_slot(&self, index: usize) -> &mut [Active] {
+        let (per, session) = (self.h().per_slot as usize, self.h().per_session as usize);
+        debug_assert!(index < self.h().n_slots as usize, "slot index out of range");
+        // SAFETY: as in `slot`, for the entries after the first `per_slot`.
+        unsafe {
+            let entries = self.base().add(self.layout().entries) as *mut Active;
+            std::slice::from_raw_parts_mut(entries.add(index * (per + session) + per), session)
+        }
+    }
+
+    /// The holds of backend slot `index`: the first `held` session entries.
+    pub fn holds_in_use(&self, index: usize) -> &mut [Active] {
+        let held = self.slot_headers()[index].held as usize;
+        &mut self.session_slot(index)[..held]
+    }
+
+    /// Keep slot `index` in the active list exactly while it has entries
+    /// or holds (after its counts changed).
+    pub fn update_active(&self, index: usize, was_active: bool) {
+        let header = &self.slot_headers()[index];
+        let active = header.used > 0 || header.held > 0;
+        if active && !was_active {
+            self.activate_slot(index);
+        } else if !active && was_active {
+            self.deactivate_slot(index);
         }
     }
 }
@@ -780,6 +868,8 @@ pub(super) struct StreamCopy {
     pub summary_latest_completed: TransactionId,
     pub summary_lsn: u64,
     pub n_seen: usize,
+    pub orphans_valid: bool,
+    pub orphans_min_id: i64,
 }
 
 impl Raw {
@@ -835,6 +925,11 @@ impl Raw {
         }
     }
 
+    fn per_session(&self) -> usize {
+        // SAFETY: written once at start-up, before any reader.
+        unsafe { (*self.h()).per_session as usize }
+    }
+
     pub fn n_streams(&self) -> usize {
         self.dims().0
     }
@@ -864,6 +959,8 @@ impl Raw {
                 summary_latest_completed: Self::read(&raw const (*s).summary.latest_completed),
                 summary_lsn: Self::read(&raw const (*s).summary.lsn),
                 n_seen: (Self::read(&raw const (*s).n_seen) as usize).min(SEEN_WRITERS),
+                orphans_valid: Self::read(&raw const (*s).orphans.valid),
+                orphans_min_id: Self::read(&raw const (*s).orphans.min_id),
             }
         }
     }
@@ -880,9 +977,11 @@ impl Raw {
         }
     }
 
-    /// The active slots: calls `f` with each slot index (< n_slots) and
-    /// the number of entries in use (<= per slot).
-    pub fn for_each_active(&self, mut f: impl FnMut(usize, usize)) {
+    /// The active slots: calls `f` with each slot index (< n_slots), the
+    /// number of transaction entries in use (<= per slot) and the number
+    /// of holds (<= per session).
+    pub fn for_each_active(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let per_session = self.per_session();
         let (_, n_slots, per_slot, _) = self.dims();
         let l = self.offsets();
         // SAFETY: every index read is checked against n_slots before use;
@@ -905,21 +1004,35 @@ impl Raw {
                 let slot = Self::read(list.add(k)) as usize;
                 if slot < n_slots {
                     let used = Self::read(&raw const (*headers.add(slot)).used) as usize;
+                    let held = Self::read(&raw const (*headers.add(slot)).held) as usize;
                     fence(Ordering::Acquire);
-                    f(slot, used.min(per_slot));
+                    f(slot, used.min(per_slot), held.min(per_session));
                 }
             }
         }
     }
 
-    /// Entry `k` of slot `slot` (both bounded by the caller).
+    /// Transaction entry `k` of slot `slot` (both bounded by the caller).
     pub fn entry(&self, slot: usize, k: usize) -> EntryCopy {
+        self.entry_at(slot, k)
+    }
+
+    /// Hold `k` of slot `slot` (both bounded by the caller).
+    pub fn hold(&self, slot: usize, k: usize) -> EntryCopy {
         let (_, _, per_slot, _) = self.dims();
-        // SAFETY: slot < n_slots and k < per_slot (from `for_each_active`):
+        self.entry_at(slot, per_slot + k)
+    }
+
+    /// Entry `k` of slot `slot`'s transaction entries followed by its
+    /// holds (k < per_slot + per_session, checked by the caller).
+    fn entry_at(&self, slot: usize, k: usize) -> EntryCopy {
+        let (_, _, per_slot, _) = self.dims();
+        let stride = per_slot + self.per_session();
+        // SAFETY: slot < n_slots and k < stride (from `for_each_active`):
         // inside the entries; the fields are integers and bools.
         unsafe {
             let a = ((self.header as *const u8).add(self.offsets().entries) as *const Active)
-                .add(slot * per_slot + k);
+                .add(slot * stride + k);
             // `pending` first: once false, the first ID and WAL position
             // written before it are read after it (`finish_allocation`).
             let pending = Self::read(&raw const (*a).pending);
@@ -961,6 +1074,25 @@ impl Raw {
     }
 }
 
+/// The holds of the calling backend's own slot, read without the lock (see
+/// `own_slot_unlocked`).
+///
+/// # Safety
+/// The registry must be initialised and `slot` must be the caller's own.
+pub(super) unsafe fn own_holds_unlocked(slot: usize) -> &'static [Active] {
+    // SAFETY: as in `own_slot_unlocked`, for the session entries.
+    unsafe {
+        let h = &*HEADER;
+        let per = h.per_slot as usize;
+        let session = h.per_session as usize;
+        let entries = (HEADER as *const u8).add(h.offsets.entries) as *const Active;
+        let used = (*((HEADER as *const u8).add(h.offsets.slot_headers) as *const SlotHeader)
+            .add(slot))
+        .held as usize;
+        std::slice::from_raw_parts(entries.add(slot * (per + session) + per), used.min(session))
+    }
+}
+
 /// The entries of the calling backend's own slot, read without the lock:
 /// only the backend itself writes its slot.
 ///
@@ -974,8 +1106,9 @@ pub(super) unsafe fn own_slot_unlocked(slot: usize) -> &'static [Active] {
         let h = &*HEADER;
         let l = &h.offsets;
         let per = h.per_slot as usize;
+        let stride = per + h.per_session as usize;
         let entries = (HEADER as *const u8).add(l.entries) as *const Active;
-        std::slice::from_raw_parts(entries.add(slot * per), per)
+        std::slice::from_raw_parts(entries.add(slot * stride), per)
     }
 }
 

@@ -129,6 +129,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.replayed_ceiling = 0;
     s.generation = s.generation.wrapping_add(1);
     s.summary.valid = false;
+    s.orphans.valid = false;
     s.n_seen = 0;
     s.seen_reserved = 0;
     Ok((i, false))
@@ -174,10 +175,15 @@ fn reclaim_dropped(locked: &Locked, horizon: TransactionId) -> Option<usize> {
         if locked.ring_entries().any(|f| f.stream == i32_index) {
             continue;
         }
+        if locked.streams()[i].orphans.valid {
+            continue;
+        }
         for &slot in locked.active_slots() {
+            let slot = slot as usize;
             if locked
-                .entries_in_use(slot as usize)
+                .entries_in_use(slot)
                 .iter()
+                .chain(locked.holds_in_use(slot).iter())
                 .any(|a| a.stream == i32_index)
             {
                 continue 'next;

@@ -37,7 +37,7 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 use streampos_core::frontier::{HeldBy, Holder};
 
-use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Summary};
+use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Summary, ALL_WRITERS};
 use super::streams::Stale;
 use crate::error::Error;
 use crate::ffi::unguarded;
@@ -309,8 +309,10 @@ pub fn caller_snapshot() -> pg_sys::Snapshot {
 struct Copied {
     max_allocated: i64,
     n_seen: usize,
-    /// (entry, is it the caller's own?)
-    slot_entries: Vec<(EntryCopy, bool)>,
+    /// (entry, is it the caller's own?, is it a hold?)
+    slot_entries: Vec<(EntryCopy, bool, bool)>,
+    /// The lowest ID of the stream's orphaned holds.
+    orphans: Option<i64>,
     ring_entries: Vec<Finished>,
     /// (lowest ID, highest stamp, highest LSN) of a valid summary.
     summary: Option<(i64, TransactionId, u64)>,
@@ -358,15 +360,22 @@ fn copy_stream(
     {
         out.slots_visited = 0;
     }
-    raw.for_each_active(|slot, used| {
+    raw.for_each_active(|slot, used, held| {
         #[cfg(feature = "lock-stats")]
         {
             out.slots_visited += 1;
         }
+        let own = own_slot == Some(slot);
         for k in 0..used {
             let a = raw.entry(slot, k);
             if a.stream == stream_i32 {
-                out.slot_entries.push((a, own_slot == Some(slot)));
+                out.slot_entries.push((a, own, false));
+            }
+        }
+        for k in 0..held {
+            let a = raw.hold(slot, k);
+            if a.stream == stream_i32 {
+                out.slot_entries.push((a, own, true));
             }
         }
     });
@@ -383,6 +392,7 @@ fn copy_stream(
     out.summary =
         s.summary_valid
             .then_some((s.summary_min_id, s.summary_latest_completed, s.summary_lsn));
+    out.orphans = s.orphans_valid.then_some(s.orphans_min_id);
     Ok(())
 }
 
@@ -470,7 +480,11 @@ pub fn view(
     let mut hold = |instance: i32, min_id: i64, in_flight: bool, not_durable_from: Option<i64>| {
         if in_flight {
             holders.push(Holder {
-                held_by: HeldBy::Writer(instance),
+                held_by: if instance == ALL_WRITERS {
+                    HeldBy::AllWriters
+                } else {
+                    HeldBy::Writer(instance)
+                },
                 min_id,
             });
         }
@@ -481,8 +495,10 @@ pub fn view(
             });
         }
     };
-    for &(a, own) in &copied.slot_entries {
-        let ended = !own && sees_end(a.xid);
+    for &(a, own, is_hold) in &copied.slot_entries {
+        // A hold is in flight until it is released (its shadow entry in the
+        // releasing transaction, then in the ring, takes over).
+        let ended = !own && !is_hold && sees_end(a.xid);
         // A pending entry has not recorded its WAL position: while its
         // transaction runs, its IDs are in flight like any other; once it
         // has ended (an allocation that failed, its callback not run yet),
@@ -498,6 +514,12 @@ pub fn view(
         let unseen = !f.aborted && !sees_end(f.xid);
         let not_durable_from = (!durable.covers(f.lsn)).then_some(f.durable_from);
         hold(f.instance, f.min_id, unseen, not_durable_from);
+    }
+    if let Some(min_id) = copied.orphans {
+        holders.push(Holder {
+            held_by: HeldBy::AllWriters,
+            min_id,
+        });
     }
     if let Some((min_id, stamp, lsn)) = copied.summary {
         if !durable.covers(lsn) || !taken_after(stamp, snap) {
