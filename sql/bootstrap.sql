@@ -55,6 +55,18 @@ CREATE TABLE stream_frontiers (
     stream_id bigint NOT NULL
 );
 
+-- Per stream, what of its IDs a history this server lost may have handed
+-- out: IDs in (have, ceiling] (see the README, "Failover"). Written with a
+-- stream's first allocation in each history that may lack another's;
+-- describes this server's history, so not dumped.
+CREATE TABLE history_marks (
+    history bigint NOT NULL,
+    stream_name text NOT NULL REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
+    have bigint NOT NULL,
+    ceiling bigint NOT NULL CHECK (ceiling >= have),
+    PRIMARY KEY (history, stream_name)
+);
+
 SELECT pg_catalog.pg_extension_config_dump('instances', '');
 SELECT pg_catalog.pg_extension_config_dump('instances_instance_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('streams', '');
@@ -66,4 +78,5 @@ SELECT pg_catalog.pg_extension_config_dump('stream_frontiers', '');
 -- Every role may read the catalog. Only the extension's functions write it
 -- (as the extension's owner); see finalize.sql for who may call them.
 GRANT USAGE ON SCHEMA streampos TO PUBLIC;
-GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers TO PUBLIC;
+GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers, history_marks
+    TO PUBLIC;

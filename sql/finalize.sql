@@ -210,6 +210,8 @@ COMMENT ON TABLE streams IS 'Streams: their sequence, direction and writers (NUL
 COMMENT ON TABLE stream_tables IS 'Tables whose rows carry a stream''s IDs';
 COMMENT ON TABLE stream_positions IS
     'Durable writer positions, written by the background worker: never ahead of the truth';
+COMMENT ON TABLE history_marks IS
+    'Per stream and history: IDs in (have, ceiling] may have been handed out by a history this server lost';
 COMMENT ON TABLE stream_frontiers IS
     'Durable frontiers, written by the background worker with the positions: a hot standby''s frontier';
 

@@ -33,3 +33,16 @@ COMMENT ON FUNCTION streampos.hold_ids(text, text, integer) IS
     'Allocate n IDs held by the session (not its transaction) until release_ids or the session ends';
 COMMENT ON FUNCTION streampos.release_ids(text, bigint[]) IS
     'Release a hold of this session at the commit of the calling transaction';
+
+-- Lost history: per stream and history, the IDs a lost history may have
+-- handed out.
+CREATE TABLE streampos.history_marks (
+    history bigint NOT NULL,
+    stream_name text NOT NULL REFERENCES streampos.streams ON DELETE CASCADE ON UPDATE CASCADE,
+    have bigint NOT NULL,
+    ceiling bigint NOT NULL CHECK (ceiling >= have),
+    PRIMARY KEY (history, stream_name)
+);
+GRANT SELECT ON streampos.history_marks TO PUBLIC;
+COMMENT ON TABLE streampos.history_marks IS
+    'Per stream and history: IDs in (have, ceiling] may have been handed out by a history this server lost';

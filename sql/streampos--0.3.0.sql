@@ -65,6 +65,18 @@ CREATE TABLE stream_frontiers (
     stream_id bigint NOT NULL
 );
 
+-- Per stream, what of its IDs a history this server lost may have handed
+-- out: IDs in (have, ceiling] (see the README, "Failover"). Written with a
+-- stream's first allocation in each history that may lack another's;
+-- describes this server's history, so not dumped.
+CREATE TABLE history_marks (
+    history bigint NOT NULL,
+    stream_name text NOT NULL REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
+    have bigint NOT NULL,
+    ceiling bigint NOT NULL CHECK (ceiling >= have),
+    PRIMARY KEY (history, stream_name)
+);
+
 SELECT pg_catalog.pg_extension_config_dump('instances', '');
 SELECT pg_catalog.pg_extension_config_dump('instances_instance_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('streams', '');
@@ -76,7 +88,8 @@ SELECT pg_catalog.pg_extension_config_dump('stream_frontiers', '');
 -- Every role may read the catalog. Only the extension's functions write it
 -- (as the extension's owner); see finalize.sql for who may call them.
 GRANT USAGE ON SCHEMA streampos TO PUBLIC;
-GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers TO PUBLIC;
+GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers, history_marks
+    TO PUBLIC;
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -1077,6 +1090,8 @@ COMMENT ON TABLE streams IS 'Streams: their sequence, direction and writers (NUL
 COMMENT ON TABLE stream_tables IS 'Tables whose rows carry a stream''s IDs';
 COMMENT ON TABLE stream_positions IS
     'Durable writer positions, written by the background worker: never ahead of the truth';
+COMMENT ON TABLE history_marks IS
+    'Per stream and history: IDs in (have, ceiling] may have been handed out by a history this server lost';
 COMMENT ON TABLE stream_frontiers IS
     'Durable frontiers, written by the background worker with the positions: a hot standby''s frontier';
 

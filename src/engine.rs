@@ -12,6 +12,7 @@ use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
 use crate::fast_hash::FastMap;
 use crate::registry;
+use crate::registry::history::{self, LostRange};
 use crate::{guc, sequence, sql, worker};
 
 /// Most IDs one call may allocate.
@@ -41,13 +42,94 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
         .into_iter()
         .map(|(id, _)| id)
         .collect();
+    let lost = lost_range_at_load(meta, max);
+    // While nothing was allocated in this history, the highest ID it has
+    // is `have`: no position of this server ever falls in the lost range.
+    let highest = match lost {
+        Some((range, _)) if max <= range.ceiling => range.have.min(max),
+        _ => max,
+    };
     // False: the state went to another stream meanwhile, which only
     // happens to a dropped stream's state (looking again would take a
     // state for a stream that is gone).
-    if !registry::set_loaded(index, meta.key, meta.seq, max, &stored).or_raise() {
+    if !registry::set_loaded(index, meta.key, meta.seq, highest, &stored, lost).or_raise() {
         dropped_concurrently(meta)
     }
     index
+}
+
+/// The stream's lost range in the current history (registry/history.rs),
+/// from its mark, or (first use in this history) from the sequence's value
+/// `max` and the highest ID this server has at or below it: a row, a
+/// stored position or a stored frontier. With whether the mark is stored.
+fn lost_range_at_load(meta: &StreamMeta, max: i64) -> Option<(LostRange, bool)> {
+    let history = history::current().or_raise();
+    if history == 0 {
+        return None;
+    }
+    if let Some((have, ceiling)) = sql::history_mark(history, &meta.name) {
+        return Some((LostRange { have, ceiling }, true));
+    }
+    let have = sql::stream_tables(&meta.name)
+        .iter()
+        .filter_map(|t| sql::table_max_id_at_most(t, max))
+        .chain(sql::max_stored_at_most(&meta.name, max))
+        .max()
+        .unwrap_or(0)
+        .clamp(0, max);
+    Some((LostRange { have, ceiling: max }, false))
+}
+
+thread_local! {
+    /// Streams (keys) whose history mark this transaction stored.
+    static MARKED: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Before the first allocation of a stream in a history that may lack
+/// another's: store its mark, in the allocating transaction (an ID of the
+/// history is then never durable without it), so that a restart finds the
+/// range when the sequence has moved on.
+fn record_history_mark(meta: &StreamMeta) {
+    let history = history::current().or_raise();
+    if history == 0 {
+        return;
+    }
+    let Some((range, unrecorded)) =
+        with_index(meta, |index| history::lost_range(index, meta.key, meta.seq))
+    else {
+        return;
+    };
+    if unrecorded {
+        sql::insert_history_mark(history, &meta.name, range.have, range.ceiling);
+        MARKED.with(|m| m.borrow_mut().push(meta.key));
+    }
+}
+
+/// A new stream (created or adopted in this history) has nothing another
+/// history handed out: its mark says so.
+pub fn mark_new_stream(stream: &str, seq: pg_sys::Oid) {
+    // Without the registry (not preloaded) there is no history to mark.
+    let history = history::current().unwrap_or(0);
+    if history == 0 {
+        return;
+    }
+    let value = sequence::max_allocated(seq).max(0);
+    sql::insert_history_mark(history, stream, value, value);
+}
+
+/// The commit (or abort) callback: marks stored by the transaction are now
+/// there for every later load (or are not).
+pub fn end_transaction_marks(committed: bool) {
+    let keys = MARKED.with(|m| std::mem::take(&mut *m.borrow_mut()));
+    if committed {
+        history::marks_recorded(&keys);
+    }
+}
+
+/// A rolled-back savepoint may have taken a stored mark back: store it
+/// again at the next allocation (it is stored once, whatever happens).
+pub fn forget_marks() {
+    MARKED.with(|m| m.borrow_mut().clear());
 }
 
 /// 40001: the stream was dropped (or dropped and created again) while this
@@ -103,6 +185,7 @@ pub fn allocate(stream: &str, writer: &str, n: i32, hold: bool) -> Vec<i64> {
     catalog::validate_instance_name(writer).or_raise();
     let (meta, sequence) = current_stream(stream, writer);
     let instance = catalog::instance_id(writer).or_raise();
+    record_history_mark(&meta);
     if worker::ensure_running() {
         registry::prune_if_crowded().or_raise();
     }

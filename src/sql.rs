@@ -385,6 +385,50 @@ pub fn stored_frontier(stream: &str) -> Option<i64> {
     )
 }
 
+/// The highest stored position or frontier at or below `at_most`
+/// (internal numbering).
+pub fn max_stored_at_most(stream: &str, at_most: i64) -> Option<i64> {
+    select_one(
+        "SELECT pg_catalog.max(x.p) FROM ( \
+           SELECT pg_catalog.abs(p.stream_id) AS p FROM streampos.stream_positions p \
+           WHERE p.stream_name OPERATOR(pg_catalog.=) $1 \
+           UNION ALL \
+           SELECT pg_catalog.abs(f.stream_id) FROM streampos.stream_frontiers f \
+           WHERE f.stream_name OPERATOR(pg_catalog.=) $1) x \
+         WHERE x.p OPERATOR(pg_catalog.<=) $2",
+        &[stream.into(), at_most.into()],
+    )
+}
+
+/// The stream's mark in history `history`: (have, ceiling).
+pub fn history_mark(history: u64, stream: &str) -> Option<(i64, i64)> {
+    select_all(
+        "SELECT m.have, m.ceiling FROM streampos.history_marks m \
+         WHERE m.history OPERATOR(pg_catalog.=) $1 AND m.stream_name OPERATOR(pg_catalog.=) $2",
+        &[(history as i64).into(), stream.into()],
+        |r| Ok(r.get::<i64>(1)?.zip(r.get::<i64>(2)?)),
+    )
+    .into_iter()
+    .next()
+}
+
+/// Store a stream's mark in history `history`, as the extension's owner;
+/// a mark once stored is kept.
+pub fn insert_history_mark(history: u64, stream: &str, have: i64, ceiling: i64) {
+    as_owner(|| {
+        run(
+            "INSERT INTO streampos.history_marks (history, stream_name, have, ceiling) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+            &[
+                (history as i64).into(),
+                stream.into(),
+                have.into(),
+                ceiling.into(),
+            ],
+        )
+    });
+}
+
 pub fn max_stored_position(stream: &str) -> Option<i64> {
     select_one(
         "SELECT pg_catalog.max(pg_catalog.abs(p.stream_id)) FROM streampos.stream_positions p \

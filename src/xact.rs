@@ -23,10 +23,12 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
         XactEvent::XACT_EVENT_COMMIT => {
             registry::end_transaction(true);
             catalog::end_transaction(true);
+            engine::end_transaction_marks(true);
         }
         XactEvent::XACT_EVENT_ABORT => {
             registry::end_transaction(false);
             catalog::end_transaction(false);
+            engine::end_transaction_marks(false);
         }
         XactEvent::XACT_EVENT_PRE_COMMIT => {
             engine::release_answers();
@@ -56,6 +58,7 @@ unsafe extern "C-unwind" fn on_subxact_event(
         pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
             catalog::end_subtransaction(false, subxact, parent);
             registry::end_subtransaction(false, subxact, parent);
+            engine::forget_marks();
         }
         pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
             catalog::end_subtransaction(true, subxact, parent);

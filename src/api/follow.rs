@@ -13,6 +13,7 @@ use streampos_core::token::{clip_lossy, Token, TokenKind, MAX_QUOTED_TEXT};
 use crate::catalog::{self, StreamMeta};
 use crate::engine::{self, in_recovery, registry_index, writer_ids};
 use crate::error::{clip, Error, OrRaise};
+use crate::registry::history;
 use crate::types::MultiWriterToken;
 use crate::{registry, sql};
 
@@ -83,34 +84,24 @@ fn refuse_ahead(
     }
 }
 
-/// On a promoted standby (or after a point-in-time recovery) the sequence
-/// stands where the last replayed `nextval` record put it, up to 32 values
-/// past what the lost history handed out, and the frontier starts there. A
-/// token position below that point but above every row this server has
-/// comes from transactions it never had: the follower holds rows that do
-/// not exist here. (Rows deleted since, or a gap of aborted IDs, look the
-/// same: that follower resynchronises needlessly, never wrongly.)
-fn refuse_lost_history(meta: &StreamMeta, index: usize, since: &Token) {
-    let ceiling = registry::replayed_ceiling(index).or_raise();
-    let Some(position) = [since.stream(), since.max_stream_pos()]
-        .into_iter()
-        .filter(|&p| p > 0 && p < ceiling)
-        .max()
+/// A follower's position in the stream's lost range (registry/history.rs)
+/// comes from a history this server does not have: the follower holds
+/// rows that do not exist here (or, after a lossless failover, a gap of
+/// aborted IDs or rows deleted since: it resynchronises needlessly, never
+/// wrongly). Checked for every position a token carries (its minimum and
+/// each writer's) and for a `wait_for` target.
+fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i64>) {
+    let Some((range, _)) =
+        engine::with_index(meta, |index| history::lost_range(index, meta.key, meta.seq))
     else {
         return;
     };
-    let have = sql::stream_tables(&meta.name)
-        .iter()
-        .filter_map(|t| sql::table_max_id_at_most(t, ceiling))
-        .chain(sql::max_stored_position(&meta.name))
-        .max()
-        .unwrap_or(0);
-    if position > have {
+    if let Some(position) = positions.into_iter().find(|&p| range.contains(p)) {
         Error::LostHistory {
             stream: meta.name.as_str().into(),
             position,
-            have,
-            ceiling,
+            have: range.have,
+            ceiling: range.ceiling,
         }
         .report();
     }
@@ -156,6 +147,7 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
         stream_id
     };
     refuse_ahead(&meta, "target", target, || (stream_id.to_string(), None));
+    refuse_lost_history(&meta, [target]);
     let reached = wait_until(index, timeout_ms, || {
         let f = answer_now(&meta).frontier();
         (f >= target, f)
@@ -211,7 +203,10 @@ fn updates(
             Some(since.max_stream_pos()),
         )
     });
-    refuse_lost_history(&meta, index, &since);
+    refuse_lost_history(
+        &meta,
+        std::iter::once(since.stream()).chain(since.instances().iter().map(|&(_, p)| p)),
+    );
     // Wait until some writer moved past `since`.
     let current = wait_until(index, timeout_ms, || {
         let t = token_now(&meta);

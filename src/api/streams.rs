@@ -98,6 +98,7 @@ fn create_stream(
     // other writers, and repair it.
     let seq = sql::create_sequence(&format!("{stream}_seq"), current_role());
     sql::insert_stream(stream, seq, true, backwards, writers);
+    engine::mark_new_stream(stream, seq);
     catalog::mark_changed();
     RegClass(seq)
 }
@@ -142,6 +143,7 @@ pub(super) fn adopt_stream(
     }
     let writers = ensure_writer_instances(&writers);
     sql::insert_stream(stream, oid, false, backwards, writers);
+    engine::mark_new_stream(stream, oid);
     catalog::mark_changed();
 }
 

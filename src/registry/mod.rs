@@ -19,6 +19,7 @@
 //! times and what they mean on many cores: docs/performance.md.
 
 mod alloc;
+pub mod history;
 #[cfg(feature = "lock-stats")]
 pub mod lock_stats;
 mod shmem;
@@ -36,7 +37,7 @@ pub use shmem::{
 };
 pub use streams::{
     forget_all_indexes, forget_index, generation, highest_allocated, mark_dropped_at_commit,
-    raise_max_allocated, replayed_ceiling, set_loaded, stream_index, streams_of, Stale,
+    raise_max_allocated, set_loaded, stream_index, streams_of, Stale,
 };
 pub use visibility::{
     caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, StreamView,

@@ -49,13 +49,11 @@ pub(super) struct Header {
     pub n_active: u32,
     /// The highest `lsn` ever pushed (for `Finished::lsn_prefix_max`).
     pub ring_lsn_max: u64,
-    /// The server started as a standby or for a point-in-time recovery: once
-    /// promoted it may lack commits another server acknowledged, and its
-    /// sequences stand where the last replayed record put them, up to 32
-    /// values past what that history handed out (see
-    /// `StreamState::replayed_ceiling`). Not after a crash restart of a
-    /// primary: every ID its frontiers passed was durable here.
-    pub may_lack_history: bool,
+    /// The history this server's IDs belong to (see `history.rs`; 0: never
+    /// in doubt), and whether it started recovering and no promotion was
+    /// recorded yet.
+    pub history_id: u64,
+    pub history_recovering: bool,
     /// The highest durable WAL position ever seen (see
     /// `visibility::durable_lsn`): what was final stays final when
     /// synchronous standbys are configured later.
@@ -216,11 +214,20 @@ pub(super) struct StreamState {
     pub seen_reserved: u32,
     /// Holds of sessions that ended without releasing them.
     pub orphans: Orphans,
-    /// When the server may lack history: the maximum allocated ID loaded
-    /// from the sequence. IDs below it that no row here has may have been
-    /// handed out by a history this server lost (a follower holding one
-    /// must resynchronise); 0 otherwise.
-    pub replayed_ceiling: i64,
+    /// What of the stream's IDs another history may have handed out (see
+    /// `history.rs`).
+    pub lost: Lost,
+}
+
+/// A stream's lost range in the current history: IDs in (have, ceiling]
+/// may have been handed out by a history this server lost.
+#[repr(C)]
+pub(super) struct Lost {
+    pub valid: bool,
+    pub have: i64,
+    pub ceiling: i64,
+    /// The mark is in `streampos.history_marks` (a restart finds it).
+    pub recorded: bool,
 }
 
 /// The holds of sessions that ended without releasing them, one record per
@@ -488,7 +495,9 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*header).n_slots = n_slots as u32;
             (*header).per_slot = per_slot as u32;
             (*header).per_session = per_session as u32;
-            (*header).may_lack_history = may_lack_history();
+            let history = super::history::at_start();
+            (*header).history_id = history.map_or(0, |h| h.0);
+            (*header).history_recovering = history.is_some_and(|h| h.1);
             let entries = base.add(l.entries) as *mut Active;
             for i in 0..n_slots * (per_slot + per_session) {
                 entries.add(i).write(FREE_ACTIVE);
@@ -572,15 +581,6 @@ impl Section {
                 | Section::OtherExclusive
         )
     }
-}
-
-/// Does the server start as a standby or for a point-in-time recovery? In
-/// the postmaster, before the startup process runs (which removes the
-/// signal file when it promotes or finishes recovery), in the data
-/// directory.
-fn may_lack_history() -> bool {
-    std::path::Path::new("standby.signal").exists()
-        || std::path::Path::new("recovery.signal").exists()
 }
 
 /// A view of the registry while its lock is held. Dropping it releases the

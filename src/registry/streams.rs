@@ -126,7 +126,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.key = key;
     s.seq = seq;
     s.max_allocated = 0;
-    s.replayed_ceiling = 0;
+    s.lost.valid = false;
     s.generation = s.generation.wrapping_add(1);
     s.summary.valid = false;
     s.orphans.valid = false;
@@ -203,15 +203,17 @@ fn reclaim_dropped(locked: &Locked, horizon: TransactionId) -> Option<usize> {
 /// False when state `index` is no longer the stream's (it was dropped and
 /// the state given to another stream while the sequence was read): the
 /// value read belongs to another sequence, and the stream is gone.
+/// `lost`: the stream's lost range in the current history, and whether its
+/// mark is stored.
 pub fn set_loaded(
     index: usize,
     key: i32,
     seq: pg_sys::Oid,
     max_allocated: i64,
     stored_writers: &[i32],
+    lost: Option<(super::history::LostRange, bool)>,
 ) -> Result<bool, Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
-    let may_lack_history = locked.h().may_lack_history;
     let s = &mut locked.streams()[index];
     if !is_state_of(s, key, seq) {
         return Ok(false);
@@ -219,7 +221,12 @@ pub fn set_loaded(
     if !s.loaded {
         s.loaded = true;
         s.max_allocated = max_allocated;
-        s.replayed_ceiling = if may_lack_history { max_allocated } else { 0 };
+        if let Some((range, recorded)) = lost {
+            s.lost.valid = true;
+            s.lost.have = range.have;
+            s.lost.ceiling = range.ceiling;
+            s.lost.recorded = recorded;
+        }
         // Stored positions are written for the writers a token lists, at
         // most SEEN_WRITERS (more can only be imported: the extras are
         // not listed, as no writer of theirs could allocate since).
@@ -301,12 +308,6 @@ pub fn highest_allocated(
     } else {
         Err(Stale)
     })
-}
-
-/// See `StreamState::replayed_ceiling`.
-pub fn replayed_ceiling(stream: usize) -> Result<i64, Error> {
-    let locked = Locked::acquire(Section::OtherShared)?;
-    Ok(locked.streams()[stream].replayed_ceiling)
 }
 
 /// The stream's generation: it moves whenever an allocation finishes.

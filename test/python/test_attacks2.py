@@ -280,26 +280,14 @@ def test_a_cursor_from_before_promotion_keeps_its_writers(db):
 
 @pytest.mark.parametrize("tail", ["rows_deleted", "no_table"])
 def test_a_caught_up_follower_is_not_told_to_resync_after_a_crash_restart(tail):
-    """BREAKS "a follower resynchronises needlessly only after a gap of
-    aborted IDs at the tail" (design.md, Hot standby, promotion and
-    failover): an ordinary crash restart of a primary tells a caught-up
-    follower to resynchronise (72000) although nothing was lost.
-    refuse_lost_history (api/follow.rs) counts as "had" only the highest ID
-    at or below the replayed ceiling in the stream's tables, or a stored
-    position. Neither needs to reach a committed, durable position: rows
-    are deleted once consumed (Synapse's device_inbox, to_device), a stream
-    may have no table registered at all, and the stored positions trail
-    the frontier by up to streampos.position_interval_ms (200 ms; raised
-    here to make the crash land inside that window deterministically:
-    under steady load a crash always lands in it). The follower holds no
-    row this server lacks, yet every crash restart sends it back to a full
-    resynchronisation.
-    Fix: a crash restart of a primary (no standby.signal or
-    recovery.signal) loses no commit whose IDs the frontier passed if IDs
-    are also held until their commit record is durable (the commit LSN in
-    the finished entry, not only the sequence record's): then refuse only
-    after a promotion or a recovery; or store, durably with each commit
-    (not by the worker), the highest committed ID."""
+    """An ordinary crash restart of a primary told a caught-up follower to
+    resynchronise (72000) although nothing was lost (0.2.0 counted as "had"
+    only rows at or below the replayed value, or stored positions, which
+    trail the frontier: rows are deleted once consumed, a stream may have
+    no table). A crash restart of a primary begins no new history
+    (docs/design.md, "Lost history"): its frontiers only ever passed IDs
+    durable there, and no position it reported is refused afterwards. The
+    worker stores positions once a minute here, so that they trail."""
     with Clusters() as clusters:
         node = clusters.node(**{"streampos.position_interval_ms": "60000"})
         with node.connect() as c:
@@ -309,12 +297,7 @@ def test_a_caught_up_follower_is_not_told_to_resync_after_a_crash_restart(tail):
                 c.execute("SELECT streampos.add_table('s', 'inbox', 'id')")
             insert = ("INSERT INTO inbox SELECT streampos.next_id('s', 'w'), 'w', 'm'" if tail == "rows_deleted"
                       else "SELECT streampos.next_id('s', 'w'), pg_logical_emit_message(true, 'm', '')")
-            for _ in range(3):
-                c.execute(insert)
-            # The worker's first pass has run; the next one is a minute away.
-            wait_until(lambda: node.one("SELECT count(*) FROM streampos.stream_positions "
-                                        "WHERE stream_name = 's'") == 1, timeout=10)
-            for _ in range(2):
+            for _ in range(5):
                 c.execute(insert)
             answer = c.execute("SELECT streampos.updates('s', '3', timeout_ms => 1000)").fetchone()[0]
             token = answer["token"]
