@@ -70,8 +70,9 @@ Readers sample positions, and the rows at or below them, in several ways:
                 ``instance_pos(token, writer)`` and that writer's rows at or
                 below it (plus the token's minimum and all rows below it,
                 recorded as ``token_min``)
-``cursor``      a server-side cursor (psycopg named cursor, 2 rows a fetch,
-                writers committing and aborting between fetches) over the rows
+``cursor``      a server-side cursor (psycopg named cursor, 2 rows a fetch
+                for ten fetches, then 100; writers committing and aborting
+                between fetches) over the rows
                 at or below ``frontier()``, with ``frontier()`` and the token in
                 its target list: every row must carry the same answer
 ``imported``    REPEATABLE READ snapshot exported by one session, imported by
@@ -1324,7 +1325,15 @@ class _Reader:
             ids, xid = helper.execute(ALLOCATE, (s, instance, 1)).fetchone()
             hold.xid = xid
             hold.add(instance, [sign * i for i in ids])
-            time.sleep(0.05)  # writers commit rows above the held ID
+            # The held ID becomes the lowest in flight (what was allocated
+            # before it ends), and writers commit rows above it.
+            waited = time.monotonic() + 1.0
+            while time.monotonic() < waited:
+                f = conn.execute("SELECT streampos.frontier(%s)", (s,)).fetchone()[0]
+                if sign * f >= sign * ids[0] - 1:
+                    break
+                time.sleep(0.005)
+            time.sleep(0.05)
             txn = self.new_txn()
             conn.execute("BEGIN")
             t_snap = time.monotonic()
@@ -1536,6 +1545,13 @@ def _answer_now(conn, stream, sign, mode, node="primary", extra=""):
     return a, rest
 
 
+def _name_token(a, names):
+    """Tokens name instance ids; the model names writers (an id that is no
+    longer in streampos.instances, its creation rolled back, as #id)."""
+    if a.token is not None and any(isinstance(k, int) for k in a.token[1]):
+        a.token = (a.token[0], {names.get(k, f"#{k}") if isinstance(k, int) else k: p for k, p in a.token[1].items()})
+
+
 def _not_at(a, target, required):
     """Why answer ``a`` is not the quiescent answer ``target`` (internal),
     with every writer of ``required`` listed."""
@@ -1597,12 +1613,13 @@ def verify(conninfo, result, progress_timeout=5.0, standby_timeout=20.0):
         result["sequence"] = sequence_value(conn, stream)
         if maxa != result["sequence"]:
             why.append(f"max_allocated {maxa} != the sequence's {result['sequence']}")
+        names = dict(conn.execute("SELECT instance_id, instance_name FROM streampos.instances").fetchall())
+        _name_token(a, names)
         if why:
             report.add(
                 "no_progress",
                 f"{progress_timeout:.0f}s after the writers stopped: {'; '.join(why)}. [{a.describe(result['t0'])}]",
             )
-        names = dict(conn.execute("SELECT instance_id, instance_name FROM streampos.instances").fetchall())
 
         acknowledged = {i: n for n, ids in result["committed"].items() for i in ids}
         uncertain = {i: n for n, ids in result["uncertain"].items() for i in ids}
@@ -1637,6 +1654,7 @@ def verify(conninfo, result, progress_timeout=5.0, standby_timeout=20.0):
                     break
                 time.sleep(0.1)
         result["standby_frontier"] = sign * s_answer.frontier
+        _name_token(s_answer, names)
         if why:
             report.add(
                 "standby_no_catch_up",
@@ -1644,10 +1662,8 @@ def verify(conninfo, result, progress_timeout=5.0, standby_timeout=20.0):
                 f"[{s_answer.describe(result['t0'])}]",
             )
 
-    # Tokens name instance ids; the model names writers.
     for x in answers:
-        if x.token is not None and any(isinstance(k, int) for k in x.token[1]):
-            x.token = (x.token[0], {names.get(k, f"#{k}") if isinstance(k, int) else k: p for k, p in x.token[1].items()})
+        _name_token(x, names)
     check_contract(result["txns"], answers, backwards=result["backwards"], report=report, t0=result["t0"])
     result["contract"] = report.found()
     result["contract_violations"] = report.total()
