@@ -580,10 +580,12 @@ def check_contract(txns, answers, backwards=False, limit=10, report=None, t0=0.0
     xid_index = _MinIndex(committed, key=lambda t: t.xid)
     timed = [t for t in committed if t.t_end0 is not None]
     time_index = _MinIndex(timed, key=lambda t: t.t_end0)
-    first_commit = sorted(
-        (min(t.xid for t in committed if w in t.ids and t.ids[w]), w)
-        for w in {w for t in committed for w, ids in t.ids.items() if ids}
-    )
+    firsts = {}
+    for t in committed:
+        for w, ids in t.ids.items():
+            if ids and t.xid < firsts.get(w, t.xid + 1):
+                firsts[w] = t.xid
+    first_commit = sorted((x, w) for w, x in firsts.items())
     first_commit_xids = [x for x, _ in first_commit]
     names = sorted(
         {w for t in txns for w in t.ids}
@@ -1996,18 +1998,21 @@ def main(argv=None):
         if not a.standby_port:
             p.error("mode standby needs --standby-port")
         options["standby"] = dict(conninfo, host=a.standby_host or a.host, port=a.standby_port)
-    result = run(
-        conninfo,
-        a.stream,
-        seconds=a.seconds,
-        commits=a.commits,
-        readers=a.readers,
-        abort_rate=a.abort_rate,
-        seed=a.seed,
-        backwards=a.backwards,
-        window=a.window or None,
-        **options,
-    )
+    try:
+        result = run(
+            conninfo,
+            a.stream,
+            seconds=a.seconds,
+            commits=a.commits,
+            readers=a.readers,
+            abort_rate=a.abort_rate,
+            seed=a.seed,
+            backwards=a.backwards,
+            window=a.window or None,
+            **options,
+        )
+    except ValueError as e:
+        p.error(str(e))
     print(summary_line(result), flush=True)
     for line in result["errors"][:10]:
         print(f"  error: {line}")
