@@ -8,6 +8,7 @@ STREAMPOS_PGHOST, STREAMPOS_PGPORT and STREAMPOS_PGDATA.
 
 import contextlib
 import os
+import shutil
 import subprocess
 import time
 
@@ -349,3 +350,36 @@ def wait_for_server(timeout=60.0):
     wait_until(ready, timeout=timeout, interval=0.1, message="the server to accept connections")
 
 
+
+
+# --------------------------------------------------------------- a hot standby
+
+
+def _pg_tool(name, *args, timeout=120, check=True):
+    env = dict(os.environ, RUST_BACKTRACE="0", RUST_LIB_BACKTRACE="0")
+    cmd = _as_postgres([os.path.join(PG_BIN, name), *args])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed: {proc.stdout}{proc.stderr}"
+    return proc
+
+
+def start_standby(path, port):
+    """A streaming hot standby of the test server (pg_basebackup -R into
+    ``path``, removed first), started on ``port``; returns its conninfo
+    keyword arguments for the test database. Stop it with stop_standby."""
+    if not PGDATA:
+        pytest.skip("STREAMPOS_PGDATA is not set: cannot make a standby")
+    stop_standby(path)
+    _pg_tool("pg_basebackup", "-h", PGHOST, "-p", str(PGPORT), "-U", PGUSER,
+             "-D", path, "-R", "-X", "stream", "-c", "fast")
+    _pg_tool("pg_ctl", "-D", path, "-l", os.path.join(path, "server.log"),
+             "-o", f"-p {port} -c hot_standby=on", "-w", "-t", "60", "start")
+    return dict(host=PGHOST, port=port, user=PGUSER, dbname=DBNAME)
+
+
+def stop_standby(path):
+    """Stop the standby at ``path`` (if it runs) and remove it."""
+    if os.path.exists(os.path.join(path, "postmaster.pid")):
+        _pg_tool("pg_ctl", "-D", path, "-m", "immediate", "-w", "-t", "60", "stop", check=False)
+    shutil.rmtree(path, ignore_errors=True)
