@@ -413,7 +413,14 @@ pub fn instance_id(name: &str) -> Result<i32, Error> {
         return Ok(id);
     }
     validate_instance_name(name)?;
-    let id = sql::insert_instance(name).or_else(|| sql::instance_id_of(name));
+    let created = sql::insert_instance(name);
+    if let Some(id) = created {
+        // A savepoint rolled back may have taken the name's earlier id with
+        // it while this transaction still holds IDs under that id: they are
+        // the name's, and hold it back under its new id.
+        crate::registry::rename_own_entries(name, id)?;
+    }
+    let id = created.or_else(|| sql::instance_id_of(name));
     match id {
         Some(id) => {
             with_instance_cache(|c| c.insert(name.to_string(), id));

@@ -701,18 +701,17 @@ fn standby_answer(meta: &StreamMeta) -> Answer {
 
 /// The writers a token or `writer_positions` reports: the configured ones,
 /// or for an open stream every instance seen committing since start-up (or
-/// with a stored position when the stream was first used) or holding IDs now.
+/// with a stored position when the stream was first used). A writer whose
+/// first transaction still holds IDs is not listed yet (it reads as the
+/// token's minimum): were it listed, and its transaction aborted, a later
+/// token would no longer list it, and its position would go back.
 pub fn writer_ids(meta: &StreamMeta, a: &Answer) -> Vec<i32> {
     let mut ids: Vec<i32> = match &meta.writers {
         Some(names) => names
             .iter()
             .filter_map(|n| catalog::lookup_instance_id(n))
             .collect(),
-        None => {
-            let mut ids = a.seen.clone();
-            ids.extend(a.positions.held_writers());
-            ids
-        }
+        None => a.seen.clone(),
     };
     ids.sort_unstable();
     ids.dedup();

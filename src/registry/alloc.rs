@@ -316,6 +316,47 @@ pub fn release_hold(
     Ok(Ok(true))
 }
 
+/// This transaction created the instance `name` with id `id`: its entries
+/// (and holds) under the name's earlier id, which a rolled-back savepoint
+/// took back, are the name's under `id`. Readers see one id or the other;
+/// the new id was not reported before (its name is not committed, and it
+/// had no entry).
+pub fn rename_own_entries(name: &str, id: i32) -> Result<(), Error> {
+    if !holding() {
+        return Ok(());
+    }
+    let slot_index = shmem::my_slot_index()?;
+    let named = |a: &Active| {
+        let len = name.len().min(NAME_BYTES - 1);
+        a.instance != id
+            && a.instance != ALL_WRITERS
+            && a.name[..len] == name.as_bytes()[..len]
+            && a.name[len] == 0
+    };
+    // SAFETY: the registry is loaded and the slot is this backend's own.
+    let any = unsafe {
+        shmem::own_slot_unlocked(slot_index)[..]
+            .iter()
+            .chain(shmem::own_holds_unlocked(slot_index))
+            .any(|a| a.stream >= 0 && named(a))
+    };
+    if !any {
+        return Ok(());
+    }
+    // Rewrites a field readers read whole: no entry moves.
+    let locked = Locked::acquire(Section::BeginAllocation)?;
+    let used = locked.slot_headers()[slot_index].used as usize;
+    for a in locked.slot(slot_index)[..used]
+        .iter_mut()
+        .chain(locked.holds_in_use(slot_index).iter_mut())
+    {
+        if named(a) {
+            shmem::publish(&mut a.instance, id);
+        }
+    }
+    Ok(())
+}
+
 /// A subtransaction ended: releases made in it go with an abort, or belong
 /// to its parent after a commit. (Its shadow entries stay: the hold holds
 /// as much, and they finish nothing the hold does not.)

@@ -30,7 +30,7 @@ mod workers;
 
 pub use alloc::{
     begin_allocation, end_subtransaction, end_transaction, finish_allocation, flush_before_commit,
-    holding, in_flight, orphans_of, release_hold, release_orphans, Request,
+    holding, in_flight, orphans_of, release_hold, release_orphans, rename_own_entries, Request,
 };
 pub use shmem::{
     catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,

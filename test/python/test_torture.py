@@ -72,9 +72,7 @@ def contract_failures(r):
 def assert_contract(r):
     """The verdict on every sample and answer: torture.ContractViolation (an
     AssertionError) if a sample missed a row or went back, or the reference
-    model found anything. Tests expected to fail on a known engine bug are
-    marked xfail with raises=torture.ContractViolation, so that any other
-    failure still fails them."""
+    model found anything."""
     failures = contract_failures(r)
     if failures:
         raise torture.ContractViolation(torture.summary_line(r) + "\n" + "\n".join(failures))
@@ -111,21 +109,9 @@ def assert_nothing_left(conn):
     assert one(conn, "SELECT 1") == 1
 
 
-# Known engine bugs of 0.2.0 (issue 19) that the reference model finds. The
-# marks tolerate only torture.ContractViolation (a contract finding); remove
-# them once the engine is fixed.
-ITEM_1 = (
-    "issue 19 item 1: a transaction's second allocation (after a rolled-back savepoint, a CHECKPOINT, or "
-    "across the sequence's 32-value log boundary) makes its first, durable IDs hold every writer back: "
-    "writer positions and token entries go back for later snapshots"
-)
-issue_19_item_1 = pytest.mark.xfail(strict=False, raises=torture.ContractViolation, reason=ITEM_1)
-
-
 # =============================================================== the torture
 
 
-@issue_19_item_1
 def test_short_torture(database, stream):
     """6 writers over 3 instances, 4 readers, ~25 s: no sample misses a
     committed row, no position goes backwards, the frontier reaches
@@ -138,7 +124,6 @@ def test_short_torture(database, stream):
     assert all(r["samples_by_mode"][m] >= 5 for m in torture.MODES), r["samples_by_mode"]
 
 
-@issue_19_item_1
 def test_short_torture_backward_stream(database, stream):
     """The same on a backward stream (IDs -1, -2, ...; "at or below F" means
     id >= F): nothing missed, nothing going backwards, exact rows."""
@@ -251,24 +236,6 @@ def test_snapshot_visibility_matches_postgresql(db):
         assert torture.sees_ended(snap, xid) == pg, xid
 
 
-ITEM_2 = (
-    "issue 19 item 2: the per-transaction answer cache keeps 8192 snapshots; a cursor read after more "
-    "other snapshots gets a second, higher answer and skips rows"
-)
-ITEM_3 = (
-    "issue 19 item 3: 64 writers seen since start-up; more drop out of writer_positions and tokens, and "
-    "their token positions go back (also found here, not yet in the issue: on an open stream, a writer "
-    "whose first transaction aborts is listed in tokens while it holds IDs and dropped after, and a "
-    "writer's first allocation in a rolled-back savepoint leaves its IDs under a rolled-back instance id, "
-    "which the writer's position then passes)"
-)
-ITEM_6 = (
-    "issue 19 items 6 and 7: a standby's frontier passes IDs a brand-new writer holds on the primary "
-    "(and the rolled-back instance ids of item 3)"
-)
-
-
-@pytest.mark.xfail(strict=False, raises=torture.ContractViolation, reason=ITEM_1)
 def test_torture_with_checkpoints(database, stream):
     """CHECKPOINT every ~250 ms while a quarter of the writers' transactions
     allocate, wait for the next checkpoint and allocate again: every
@@ -279,7 +246,6 @@ def test_torture_with_checkpoints(database, stream):
     assert_clean_run(r, min_commits=100)
 
 
-@pytest.mark.xfail(strict=False, raises=torture.ContractViolation, reason=ITEM_3)
 def test_torture_with_more_than_64_writers(database, stream):
     """90 instance names over 8 writer threads on a stream open to any
     writer: tokens carry many entries, every writer's position is checked,
@@ -295,7 +261,6 @@ def test_torture_with_more_than_64_writers(database, stream):
     )
 
 
-@pytest.mark.xfail(strict=False, raises=torture.ContractViolation, reason=ITEM_2)
 def test_long_cursor_keeps_its_answer_past_8192_snapshots(database, stream):
     """A READ COMMITTED transaction opens a cursor over the rows <=
     frontier() (an ID held by a helper that then rolls back), FETCHes 1,
@@ -321,7 +286,6 @@ def torture_standby(database):
     stop_standby(path)
 
 
-@pytest.mark.xfail(strict=False, raises=torture.ContractViolation, reason=ITEM_6)
 def test_torture_with_a_hot_standby(database, stream, torture_standby):
     """The load on an open stream (3 % of the transactions as a brand-new
     writer held 0.25-0.5 s) with a reader on a hot standby alongside the
@@ -441,7 +405,6 @@ def test_ring_overflow_never_moves_a_fresh_frontier_backwards(connect, stream):
         w.execute("ROLLBACK")
 
 
-@issue_19_item_1
 def test_torture_while_an_old_snapshot_holds_the_horizon(connect, stream):
     """The torture load while a REPEATABLE READ transaction keeps the xmin
     horizon back and the finished ring is full: readers must still miss no
@@ -822,7 +785,6 @@ def _after_restart_checks(conn, stream):
 
 
 @pytest.mark.restarts_server
-@issue_19_item_1
 def test_immediate_shutdown_during_torture(connect, stream):
     """pg_ctl stop -m immediate in the middle of the load, then start: nothing
     in flight, frontier == max_allocated == sequence, every acknowledged row
@@ -944,7 +906,6 @@ def test_rolled_back_allocation_is_not_reused_after_immediate_shutdown(connect, 
 
 
 @pytest.mark.restarts_server
-@issue_19_item_1
 def test_kill_9_of_a_backend_holding_ids(connect, stream):
     """SIGKILL of a writer's backend while it holds IDs, under load: the
     postmaster restarts every backend; afterwards frontier == max_allocated
