@@ -46,3 +46,27 @@ CREATE TABLE streampos.history_marks (
 GRANT SELECT ON streampos.history_marks TO PUBLIC;
 COMMENT ON TABLE streampos.history_marks IS
     'Per stream and history: IDs in (have, ceiling] may have been handed out by a history this server lost';
+
+-- A logical replication subscriber's streams are its own: catalog rows a
+-- subscription brings are not applied.
+CREATE FUNCTION streampos."catalog_rows_stay_local"() RETURNS trigger
+	LANGUAGE c
+	AS 'MODULE_PATHNAME', 'catalog_rows_stay_local_wrapper';
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.instances
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.instances ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.streams
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.streams ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.stream_tables
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.stream_tables ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.stream_positions
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.stream_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.stream_frontiers
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.stream_frontiers ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.history_marks
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.history_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;

@@ -870,6 +870,13 @@ AS 'MODULE_PATHNAME', 'writer_positions_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+CREATE FUNCTION "catalog_rows_stay_local"()
+	RETURNS TRIGGER
+	LANGUAGE c
+	AS 'MODULE_PATHNAME', 'catalog_rows_stay_local_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE FUNCTION "instances_immutable"()
 	RETURNS TRIGGER
 	LANGUAGE c
@@ -1066,6 +1073,28 @@ CREATE CAST (multi_writer_token AS room_stream_token)
 
 CREATE TRIGGER instances_immutable BEFORE UPDATE OR DELETE ON instances
     FOR EACH ROW EXECUTE FUNCTION instances_immutable();
+
+-- A logical replication subscriber's streams are its own: catalog rows a
+-- subscription brings are not applied (the trigger fires in the apply
+-- worker, which runs as a replica, and skips them).
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON instances
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE instances ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streams
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE streams ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON stream_tables
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE stream_tables ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON stream_positions
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE stream_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON stream_frontiers
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE stream_frontiers ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON history_marks
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE history_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
 -- Privileges. Reading functions and token functions are for every role
 -- (updates() and check_stream() read the stream's tables with the caller's

@@ -219,6 +219,23 @@ fn instance_name(instance_id: i32) -> String {
         .unwrap_or_else(|| Error::UnknownInstanceId(instance_id).report())
 }
 
+/// A logical replication subscriber's streams are its own (its sequences,
+/// instance ids and positions are not the publisher's): rows of the
+/// catalog tables that a subscription brings (a `FOR ALL TABLES`
+/// publication includes them) are not applied, so its sync never fails or
+/// loops on them. ENABLE ALWAYS: it must fire in the apply worker, which
+/// runs with session_replication_role = replica.
+#[pg_trigger]
+fn catalog_rows_stay_local<'a>(
+    trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, Error> {
+    // SAFETY: reads whether this process is a logical replication worker.
+    if unsafe { pg_sys::IsLogicalWorker() } {
+        return Ok(None);
+    }
+    Ok(trigger.new().or_else(|| trigger.old()))
+}
+
 /// Instance ids appear in tokens that clients hold: a row of
 /// `streampos.instances` is never changed or deleted.
 #[pg_trigger]
