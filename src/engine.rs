@@ -83,6 +83,9 @@ fn lost_range_at_load(meta: &StreamMeta, max: i64) -> Option<(LostRange, bool)> 
 thread_local! {
     /// Streams (keys) whose history mark this transaction stored.
     static MARKED: RefCell<Vec<i32>> = const { RefCell::new(Vec::new()) };
+    /// Streams (key, sequence) whose mark this backend saw stored.
+    static KNOWN_MARKED: RefCell<std::collections::HashSet<(i32, pg_sys::Oid)>> =
+        RefCell::new(std::collections::HashSet::new());
 }
 
 /// Before the first allocation of a stream in a history that may lack
@@ -91,7 +94,7 @@ thread_local! {
 /// range when the sequence has moved on.
 fn record_history_mark(meta: &StreamMeta) {
     let history = history::current().or_raise();
-    if history == 0 {
+    if history == 0 || KNOWN_MARKED.with(|k| k.borrow().contains(&(meta.key, meta.seq))) {
         return;
     }
     let Some((range, unrecorded)) =
@@ -102,6 +105,10 @@ fn record_history_mark(meta: &StreamMeta) {
     if unrecorded {
         sql::insert_history_mark(history, &meta.name, range.have, range.ceiling);
         MARKED.with(|m| m.borrow_mut().push(meta.key));
+    } else {
+        // Stored for good (marks are never deleted while the stream
+        // lives): later allocations of this backend need not ask.
+        KNOWN_MARKED.with(|k| k.borrow_mut().insert((meta.key, meta.seq)));
     }
 }
 
