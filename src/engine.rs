@@ -463,10 +463,16 @@ struct CacheEntry {
     /// the static one of a function called without an active snapshot):
     /// kept to the end of the transaction.
     pinned: bool,
+    /// `holds` is swept when it reaches this: every statement of a
+    /// REPEATABLE READ transaction (or of READ COMMITTED while nothing
+    /// commits) asks with a new copy of the same contents.
+    sweep_holds_at: usize,
 }
 
 /// Sweeps start at this many entries; afterwards at twice what survived.
 const FIRST_SWEEP: usize = 8;
+/// The same for an entry's snapshots.
+const FIRST_HOLDS_SWEEP: usize = 4;
 
 thread_local! {
     static ANSWERS: RefCell<AnswerCache> = RefCell::new(AnswerCache {
@@ -525,6 +531,22 @@ impl AnswerCache {
             entry.pinned = true;
             return;
         }
+        if entry.holds.len() >= entry.sweep_holds_at {
+            // Copies nobody else holds can no longer ask: let them go (the
+            // entry itself stays; `sweep` decides about it).
+            entry.holds.retain(|&s| {
+                // SAFETY: registered by us, so valid until unregistered.
+                let live = unsafe { held_elsewhere(s) };
+                if !live {
+                    // SAFETY: registered on this owner by `hold`.
+                    unsafe {
+                        pg_sys::UnregisterSnapshotFromOwner(s, pg_sys::TopTransactionResourceOwner)
+                    };
+                }
+                live
+            });
+            entry.sweep_holds_at = FIRST_HOLDS_SWEEP.max(2 * entry.holds.len());
+        }
         // SAFETY: a copied snapshot is registered as it is (no copy is
         // made), on the transaction's resource owner, which exists while
         // the transaction runs SQL; it is unregistered by `sweep` or
@@ -580,6 +602,7 @@ impl AnswerCache {
             answers: vec![(stream, answer)],
             holds: Vec::new(),
             pinned: false,
+            sweep_holds_at: FIRST_HOLDS_SWEEP,
         };
         Self::hold(closed, &mut entry, snapshot);
         self.entries.entry(hash).or_default().push(entry);

@@ -228,10 +228,19 @@ pub fn finish_allocation(
             shmem::own_slot_unlocked(slot_index)[allocation.entry]
         }
     };
-    if !earlier.pending && lsn > earlier.lsn {
+    let shift = !earlier.pending && lsn > earlier.lsn;
+    if shift {
         wait_until_durable(earlier.lsn);
     }
-    let locked = Locked::acquire(Section::FinishAllocation)?;
+    // Moving the entry's WAL position on: a reader copying the new
+    // position with the old `durable_from` would hold every writer back
+    // from IDs durable for a while, and answer less than a reader before
+    // it (the seqlock counter moves: such a copy is thrown away).
+    let locked = Locked::acquire(if shift {
+        Section::FinishAllocationShift
+    } else {
+        Section::FinishAllocation
+    })?;
     let a = if allocation.hold {
         &mut locked.session_slot(slot_index)[allocation.entry]
     } else {

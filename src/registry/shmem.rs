@@ -516,6 +516,10 @@ pub(super) enum Section {
     BeginAllocation,
     /// Record the IDs `nextval` handed out (exclusive).
     FinishAllocation,
+    /// The same, when the entry's WAL position moves on to a newer record
+    /// (rare): readers must not copy the new position with the old first
+    /// ID it counts for (exclusive, moves the seqlock counter).
+    FinishAllocationShift,
     /// Move a transaction's entries to the finished ring (exclusive).
     EndTransaction,
     /// A reader collects what its snapshot treats as in flight (shared).
@@ -532,9 +536,10 @@ pub(super) enum Section {
 
 impl Section {
     #[cfg(feature = "lock-stats")]
-    pub const ALL: [Section; 8] = [
+    pub const ALL: [Section; 9] = [
         Section::BeginAllocation,
         Section::FinishAllocation,
+        Section::FinishAllocationShift,
         Section::EndTransaction,
         Section::View,
         Section::Prune,
@@ -548,6 +553,7 @@ impl Section {
         match self {
             Section::BeginAllocation => "begin_allocation",
             Section::FinishAllocation => "finish_allocation",
+            Section::FinishAllocationShift => "finish_allocation (shift)",
             Section::EndTransaction => "end_transaction",
             Section::View => "view",
             Section::Prune => "prune",
@@ -576,6 +582,7 @@ impl Section {
             self,
             Section::BeginAllocation
                 | Section::FinishAllocation
+                | Section::FinishAllocationShift
                 | Section::EndTransaction
                 | Section::Prune
                 | Section::OtherExclusive
