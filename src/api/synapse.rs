@@ -216,6 +216,21 @@ impl Synapse {
             }
             .report();
         }
+        // They are read as their owner (sql::read_as_owner): an owner the
+        // caller cannot act as is refused before anything of theirs is
+        // read or planned (a look-alike planted by another role).
+        for &oid in &found {
+            if let Some(owner) = sql::relation_owner(oid) {
+                if !sql::caller_acts_as(owner) {
+                    Error::NotTableOwner {
+                        table: sql::relation_name(oid),
+                        owner: sql::role_display_name(owner),
+                        action: "adopt_synapse",
+                    }
+                    .report();
+                }
+            }
+        }
         Synapse {
             schema: schema.to_string(),
             nsp,
@@ -439,6 +454,32 @@ fn plan_stream<'m>(synapse: &Synapse, spec: &'m MapStream) -> Result<StreamPlan<
                 ));
             }
             continue;
+        }
+        // A table of the layout that another role owns (one an older
+        // Synapse lacks, planted): never registered. streampos reads a
+        // stream's tables as their owner, so the caller must be able to act
+        // as it; and a repair moves the sequence up to the highest ID a
+        // table holds, so its owner must be able to move the sequence
+        // itself (act as the sequence's owner).
+        let Some(owner) = sql::relation_owner(oid) else {
+            continue;
+        };
+        if !sql::caller_acts_as(owner) {
+            left_out.push(format!(
+                "Table {name} is owned by {}, a role you cannot act as: not registered (streampos reads a stream's tables as their owner).",
+                sql::role_display_name(owner)
+            ));
+            continue;
+        }
+        if let Some(seq_owner) = sql::relation_owner(seq) {
+            if !sql::role_acts_as(owner, seq_owner) {
+                left_out.push(format!(
+                    "Table {name} is owned by {}, which cannot act as {}, the owner of sequence {seq_name}: not registered (a row of it would move the sequence further than its owner may).",
+                    sql::role_display_name(owner),
+                    sql::role_display_name(seq_owner)
+                ));
+                continue;
+            }
         }
         // add_table's check, made before anything is written.
         // SAFETY: a catalog lookup; raises no error for an existing relation.
