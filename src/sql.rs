@@ -361,66 +361,118 @@ pub fn is_table_kind(kind: u8) -> bool {
     kind == pg_sys::RELKIND_RELATION || kind == pg_sys::RELKIND_PARTITIONED_TABLE
 }
 
+/// What the extension needs to know of a relation before it reads it.
+struct RelationFacts {
+    owner: pg_sys::Oid,
+    kind: u8,
+    row_security: bool,
+}
+
 /// Read relation `rel` as its owner: THE way the extension reads a table
 /// that another role may own (a stream's table, Synapse's tables).
 ///
 /// The relation is locked (ACCESS SHARE, as any read takes) and then
-/// checked as it is now, at every use: it must be a table or a partitioned
-/// table (a table turned into a view in place, same OID, is refused, not
-/// read: 42809); the caller must be allowed to SELECT `columns` (42501); and
-/// with row-level security enabled, the caller must have the owner's
-/// privileges or BYPASSRLS (42501): reading as the owner would show rows its
-/// policies hide from the caller. Then `f` runs, given the relation's quoted
-/// name, as the relation's owner in a security-restricted operation with
-/// `search_path = pg_catalog, pg_temp`, as VACUUM, ANALYZE and REINDEX run a
-/// table's expressions: whatever the planner folds or the executor runs of
-/// the table (policies, index expressions and predicates, constraints used
-/// for exclusion, the constraints of inheritance children and partitions,
+/// checked as it is now, at every use (`check_may_read`): a table the
+/// caller may read. Then `f` runs, given the relation's quoted name, as the
+/// relation's owner in a security-restricted operation with `search_path =
+/// pg_catalog, pg_temp`, as VACUUM, ANALYZE and REINDEX run a table's
+/// expressions: whatever the planner folds or the executor runs of the
+/// table (policies, index expressions and predicates, constraints used for
+/// exclusion, the constraints of inheritance children and partitions,
 /// rules) runs as the role that wrote it, never with the caller's
 /// privileges. `f` must only read `rel` (and the catalog).
 ///
 /// None when the relation no longer exists (dropped concurrently).
-pub fn read_as_owner<T>(rel: pg_sys::Oid, columns: &[&str], f: impl FnOnce(&str) -> T) -> Option<T> {
+pub fn read_as_owner<T>(
+    rel: pg_sys::Oid,
+    columns: &[&str],
+    f: impl FnOnce(&str) -> T,
+) -> Option<T> {
     // SAFETY: try_relation_open locks the relation first and returns NULL
-    // for one that does not exist; the form is copied before the relation
-    // is closed (the lock stays until the transaction ends).
-    let form = unsafe {
+    // for one that does not exist; the form's fields are copied before the
+    // relation is closed (the lock stays until the transaction ends).
+    let facts = unsafe {
         let r = pg_sys::try_relation_open(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         if r.is_null() {
             return None;
         }
-        let form = *(*r).rd_rel;
+        let form = &*(*r).rd_rel;
+        let facts = RelationFacts {
+            owner: form.relowner,
+            kind: form.relkind as u8,
+            row_security: form.relrowsecurity,
+        };
         pg_sys::relation_close(r, pg_sys::NoLock as pg_sys::LOCKMODE);
-        form
+        facts
     };
     let name = relation_name(rel);
-    let kind = form.relkind as u8;
-    if !is_table_kind(kind) {
+    check_may_read(rel, &name, &facts, columns);
+    Some(as_role(facts.owner, || f(&name)))
+}
+
+/// Refuse a read of `rel` by the caller, as `read_as_owner` would, without
+/// locking it (a follower checks before it waits, and must not hold its
+/// tables' locks while it sleeps). A relation that no longer exists passes
+/// (it is skipped when read).
+pub fn check_caller_may_read(rel: pg_sys::Oid, columns: &[&str]) {
+    let facts = select_all(
+        "SELECT c.relowner, c.relkind::pg_catalog.text, c.relrowsecurity FROM pg_catalog.pg_class c \
+         WHERE c.oid OPERATOR(pg_catalog.=) $1",
+        &[rel.into()],
+        |r| {
+            Ok(r.get::<pg_sys::Oid>(1)?.map(|owner| RelationFacts {
+                owner,
+                kind: r
+                    .get::<String>(2)
+                    .ok()
+                    .flatten()
+                    .and_then(|k| k.bytes().next())
+                    .unwrap_or(b'?'),
+                row_security: r.get::<bool>(3).ok().flatten().unwrap_or(true),
+            }))
+        },
+    );
+    if let Some(facts) = facts.first() {
+        check_may_read(rel, &relation_name(rel), facts, columns);
+    }
+}
+
+/// The checks before a read of `rel` as its owner: it must be a table or a
+/// partitioned table (a table turned into a view in place, same OID, is
+/// refused, not read: 42809); the caller must be allowed to SELECT
+/// `columns` (42501); and with row-level security enabled, the caller must
+/// have the owner's privileges or BYPASSRLS (42501): reading as the owner
+/// would show rows its policies hide from the caller.
+fn check_may_read(rel: pg_sys::Oid, name: &str, facts: &RelationFacts, columns: &[&str]) {
+    if !is_table_kind(facts.kind) {
         Error::NotATable {
-            relation: name,
-            kind: relkind_name(kind).into(),
+            relation: name.into(),
+            kind: relkind_name(facts.kind).into(),
         }
         .report();
     }
-    check_caller_may_select(rel, &name, columns);
-    if form.relrowsecurity && !caller_acts_as(form.relowner) {
+    check_caller_may_select(rel, name, columns);
+    if facts.row_security && !caller_acts_as(facts.owner) {
         // SAFETY: a catalog lookup; raises no error.
         if !unsafe { pg_sys::has_bypassrls_privilege(pg_sys::GetUserId()) } {
-            Error::RowSecurity(name).report();
+            Error::RowSecurity(name.into()).report();
         }
     }
-    Some(as_role(form.relowner, || f(&name)))
 }
 
 /// Refuse (42501) a caller that may not SELECT `columns` of `rel` (a
-/// table-level grant, or one on each column).
+/// table-level grant, or one on each column). A relation or column dropped
+/// meanwhile counts as not granted.
 fn check_caller_may_select(rel: pg_sys::Oid, name: &str, columns: &[&str]) {
-    // SAFETY: catalog lookups for an existing, locked relation; they raise
-    // no error.
+    // SAFETY: catalog lookups that report a missing relation or column in
+    // `missing` instead of raising an error.
     unsafe {
         let me = pg_sys::GetUserId();
         let select = pg_sys::ACL_SELECT as pg_sys::AclMode;
-        if pg_sys::pg_class_aclcheck(rel, me, select) == pg_sys::AclResult::ACLCHECK_OK {
+        let mut missing = false;
+        if pg_sys::pg_class_aclcheck_ext(rel, me, select, &mut missing)
+            == pg_sys::AclResult::ACLCHECK_OK
+        {
             return;
         }
         if columns.is_empty() {
@@ -432,7 +484,7 @@ fn check_caller_may_select(rel: pg_sys::Oid, name: &str, columns: &[&str]) {
             };
             let attnum = pg_sys::get_attnum(rel, c.as_ptr());
             if attnum == pg_sys::InvalidAttrNumber as i16
-                || pg_sys::pg_attribute_aclcheck(rel, attnum, me, select)
+                || pg_sys::pg_attribute_aclcheck_ext(rel, attnum, me, select, &mut missing)
                     != pg_sys::AclResult::ACLCHECK_OK
             {
                 Error::NoSelect(name.into()).report();
@@ -1027,12 +1079,13 @@ pub fn table_max_id_at_most(table: &StreamTable, ceiling: i64) -> Option<i64> {
     .flatten()
 }
 
-/// Refuse (42501, before a follower waits) a caller that `updates` would
-/// refuse when it reads the stream's tables: see `read_as_owner`.
+/// Refuse (before a follower waits) a caller that `updates` would refuse
+/// when it reads the stream's tables (see `read_as_owner`); without taking
+/// their locks, which a sleeping follower would otherwise hold.
 pub fn check_may_follow(stream: &str) {
     for table in stream_tables(stream) {
         let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
-        read_as_owner(table.oid, &columns, |_| ());
+        check_caller_may_read(table.oid, &columns);
     }
 }
 
@@ -1138,7 +1191,8 @@ pub fn updates_answer(
         let id = quote_ident(&table.id_column);
         // jsonb_build_array takes at most 100 arguments (a table may have
         // up to 1600 columns): concatenate arrays of 100.
-        let columns: Vec<(&String, &pg_sys::Oid)> = table.columns.iter().zip(&table.types).collect();
+        let columns: Vec<(&String, &pg_sys::Oid)> =
+            table.columns.iter().zip(&table.types).collect();
         let row = columns
             .chunks(100)
             .map(|chunk| {

@@ -187,10 +187,7 @@ fn checks(meta: &catalog::StreamMeta) -> Checked {
         rows.push((
             format!("table oid {}", table.oid.to_u32()),
             false,
-            format!(
-                "{}; updates() skips it ({})",
-                table.problem, table.advice
-            ),
+            format!("{}; updates() skips it ({})", table.problem, table.advice),
         ));
     }
     let ok = stored <= seq_max;

@@ -222,6 +222,32 @@ def test_adopt_synapse_skips_a_planted_table_of_the_layout(arena, caller):
     arena.assert_only_the_attacker_ran()
 
 
+@pytest.mark.parametrize("caller", ["superuser", "homeserver"])
+def test_adopt_synapse_skips_a_planted_sequence_of_the_layout(arena, caller):
+    """Beyond the issue. The attacker plants the sequence and table of a
+    stream an older Synapse lacks (presence_stream). 0.2.0 refused the
+    homeserver's whole adoption (42501, not the owner of that sequence: one
+    planted object blocked it) and let the superuser adopt the attacker's
+    sequence as a stream the homeserver would write through. Now the stream
+    is skipped, its owner named; the others are adopted."""
+    hs = arena.connect(HOMESERVER)
+    synapse_lookalike(hs)
+    attacker = arena.connect(ATTACKER)
+    attacker.execute(
+        """
+        CREATE SEQUENCE public.presence_stream_sequence CACHE 1;
+        CREATE TABLE public.presence_stream (stream_id bigint, instance_name text);
+        GRANT SELECT ON public.presence_stream TO PUBLIC;
+        """
+    )
+    victim = hs if caller == "homeserver" else arena.connect()
+    result = rows(victim, "SELECT stream, action, detail FROM streampos.adopt_synapse()")
+    presence = [(a, d) for s, a, d in result if s == "presence_stream"]
+    assert [a for a, _d in presence] == ["skipped"] and ATTACKER in presence[0][1], result
+    assert [a for s, a, _d in result if s == "events"][0] == "adopted", result
+    assert one(victim, "SELECT count(*) FROM streampos.streams WHERE stream_name = 'presence_stream'") == 0
+
+
 def test_adopt_synapse_reads_a_lookalike_as_its_owner_or_not_at_all(arena):
     """Finding 3. A Synapse look-alike in public, all the attacker's, whose
     instance_map has an inheritance child with a CHECK constraint calling
@@ -435,6 +461,25 @@ def test_a_follower_needs_select_on_every_column_it_is_sent(arena):
     assert all(ok for _n, ok, _d in rows(reader, "SELECT * FROM streampos.check_stream('s')"))
     hs.execute(f"GRANT SELECT (body) ON public.secret TO {READER}")
     assert update_rows(one(reader, "SELECT streampos.updates('s', '0')")) == [[1, "w", "hidden"]]
+
+
+def test_a_long_polling_follower_holds_no_lock_on_the_streams_tables(arena, pool):
+    """WITHSTANDS (written with the checks a follower makes before it
+    waits). A follower's privileges are checked before it sleeps, without
+    locking the stream's tables: a sleeping follower holding ACCESS SHARE
+    would make DDL on them wait, and writers queue behind the DDL."""
+    hs = arena.connect(HOMESERVER)
+    create_stream(hs, "s")
+    hs.execute("CREATE TABLE public.s_rows (id bigint, instance_name text)")
+    hs.execute("SELECT streampos.add_table('s', 'public.s_rows', 'id', 'instance_name')")
+    hs.execute(f"GRANT SELECT ON public.s_rows TO {READER}")
+    reader = arena.connect(READER)
+    follower = pool.submit(one, reader, "SELECT streampos.updates('s', '0', 10, 3000)")
+    time.sleep(0.5)
+    hs.execute("SET lock_timeout = '1s'")
+    hs.execute("ALTER TABLE public.s_rows ADD COLUMN body text")
+    assert not follower.done()
+    assert update_rows(follower.result(timeout=10)) == []
 
 
 # ------------------------------------------------------------ the upgrade
