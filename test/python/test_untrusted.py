@@ -730,7 +730,10 @@ def test_a_listener_tells_the_position_workers_notifications_from_forged_ones(ar
 
     def from_the_worker():
         listener.execute("SELECT 1")  # receives what arrived meanwhile
-        return [n for n in received if one(listener, "SELECT streampos.is_position_worker(%s)", (n.pid,))]
+        return [
+            n for n in received
+            if n.payload == "s 1" and one(listener, "SELECT streampos.is_position_worker(%s)", (n.pid,))
+        ]
 
     wait_until(from_the_worker, timeout=10, interval=0.1, message="the position worker's notification")
     genuine = {n.payload: one(listener, "SELECT streampos.is_position_worker(%s)", (n.pid,)) for n in received}
