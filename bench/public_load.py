@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What a role with no privilege but SELECT on a stream's table can do to
 the stream's writers by flooding the server: writers' throughput (pgbench)
-alone, next to N `SELECT 1` clients (any role can do this), and next to N
-followers long-polling `updates()` (what a role with SELECT on the table
-can do).
+alone, next to N `SELECT 1` clients and N `wait_for()` long-polls (any
+role can do these), and next to N followers long-polling `updates()` (what
+a role with SELECT on the table can do).
 
 Writers: `-c WRITERS` pgbench clients, each committing one row with
 `next_id` per transaction. Followers: pgbench clients of a role that may
@@ -16,8 +16,9 @@ median and range, and its ratio to the writers alone.
 
     python3 bench/public_load.py --port 5432 --clients 40
 
-It creates (and drops) a database of its own and a role
-streampos_bench_follower.
+It creates (and drops) a database of its own, and the roles
+streampos_bench_follower (SELECT on the table) and streampos_bench_nobody
+(nothing).
 """
 import argparse
 import os
@@ -32,6 +33,8 @@ import psycopg
 WRITE = "INSERT INTO ev SELECT streampos.next_id('ev', 'w'), 'w', 'body';\n"
 SELECT_1 = "SELECT 1;\n"
 FOLLOW = "SELECT streampos.updates('ev', streampos.current_token('ev'), 100, 10000);\n"
+WAIT = "SELECT streampos.wait_for('ev', streampos.max_allocated('ev'), 10000);\n"
+NOBODY = "streampos_bench_nobody"
 FOLLOWER = "streampos_bench_follower"
 
 
@@ -68,7 +71,8 @@ def main():
     with psycopg.connect(dbname="postgres", autocommit=True, **conn) as c:
         c.execute(f"DROP DATABASE IF EXISTS {dbname} WITH (FORCE)")
         c.execute(f"CREATE DATABASE {dbname}")
-        c.execute(f"DO $$ BEGIN CREATE ROLE {FOLLOWER} LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        for role in (FOLLOWER, NOBODY):
+            c.execute(f"DO $$ BEGIN CREATE ROLE {role} LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
     try:
         with psycopg.connect(dbname=dbname, autocommit=True, **conn) as c:
             c.execute("CREATE EXTENSION streampos")
@@ -78,7 +82,8 @@ def main():
             c.execute(f"GRANT SELECT ON ev TO {FOLLOWER}")
         loads = {
             "writers alone": None,
-            f"{args.clients} x SELECT 1": (SELECT_1, args.user),
+            f"{args.clients} x SELECT 1": (SELECT_1, NOBODY),
+            f"{args.clients} x wait_for() long-poll (no privilege)": (WAIT, NOBODY),
             f"{args.clients} x updates() long-poll (SELECT only)": (FOLLOW, FOLLOWER),
         }
         results = {name: [] for name in loads}

@@ -444,10 +444,10 @@ def test_id_and_instance_columns_of_other_roles_types_are_refused(arena):
 
 
 def test_a_follower_needs_select_on_every_column_it_is_sent(arena):
-    """WITHSTANDS (0.2.0 read with the caller's privileges). Reading as the
-    owner must not widen what a follower sees: updates() sends every
-    column, so it needs SELECT on each (a grant on some columns is 42501),
-    checked before it waits; check_stream needs the ID column only."""
+    """Reading as the owner must not widen what a follower sees: updates()
+    sends every column, so it needs SELECT on each (a grant on some columns
+    is 42501), checked before it waits (0.2.0 made a refused follower wait
+    out its timeout first); check_stream needs the ID column only."""
     hs = arena.connect(HOMESERVER)
     create_stream(hs, "s")
     hs.execute("CREATE TABLE public.secret (id bigint, instance_name text, body text)")
