@@ -618,8 +618,8 @@ def test_a_prepared_insert_into_the_catalog_stalls_no_adoption_or_allocation(are
     held = _locks_of(admin, one(attacker, "SELECT pg_backend_pid()"))
     assert ("instances", "RowExclusiveLock") in held and ("streams", "RowExclusiveLock") in held, held
     try:
+        # Under 0.2.0 both waited for the attacker until this lock_timeout.
         hs.execute("SET lock_timeout = '3s'")
-        started = time.monotonic()
         adopt = pool.submit(rows, hs, "SELECT * FROM streampos.adopt_synapse()")
         writer = arena.connect()
         writer.execute("SET lock_timeout = '3s'")
@@ -627,7 +627,6 @@ def test_a_prepared_insert_into_the_catalog_stalls_no_adoption_or_allocation(are
         allocated = pool.submit(one, writer, "SELECT streampos.next_id('other', 'a_new_writer')")
         assert allocated.result(timeout=10) == 1
         assert any(a == "adopted" for _s, a, _d in adopt.result(timeout=10))
-        assert time.monotonic() - started < 2.5
         writer.execute("SELECT streampos.drop_stream('other')")
     finally:
         attacker.execute("ROLLBACK")
