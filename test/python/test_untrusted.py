@@ -171,12 +171,14 @@ def update_rows(answer):
 MAX = 9223372036854775807
 
 # A table of the attacker's whose every read runs its code: a policy (with
-# FORCE, its owner is subject to it too) and a partial index whose IMMUTABLE
-# predicate the planner folds when it plans any query on the table.
+# FORCE, its owner is subject to it too), and an index expression and a
+# partial index predicate with IMMUTABLE calls the planner folds when it
+# plans any query on the table.
 PLANT = """
 ALTER TABLE {t} ENABLE ROW LEVEL SECURITY;
 ALTER TABLE {t} FORCE ROW LEVEL SECURITY;
 CREATE POLICY spy ON {t} USING (public.spy('policy on {t}'));
+CREATE INDEX ON {t} (({id} + public.spy_immutable('index expression on {t}')::integer));
 CREATE INDEX ON {t} ({id}) WHERE public.spy_immutable('index predicate on {t}');
 GRANT SELECT ON {t} TO PUBLIC;
 """
