@@ -178,7 +178,7 @@ PLANT = """
 ALTER TABLE {t} ENABLE ROW LEVEL SECURITY;
 ALTER TABLE {t} FORCE ROW LEVEL SECURITY;
 CREATE POLICY spy ON {t} USING (public.spy('policy on {t}'));
-CREATE INDEX ON {t} (({id} + public.spy_immutable('index expression on {t}')::integer));
+CREATE INDEX ON {t} (({id} * public.spy_immutable('index expression on {t}')::integer));
 CREATE INDEX ON {t} ({id}) WHERE public.spy_immutable('index predicate on {t}');
 GRANT SELECT ON {t} TO PUBLIC;
 """
