@@ -291,6 +291,8 @@ COMMENT ON FUNCTION current_token(text) IS 'The frontier plus every writer ahead
 COMMENT ON FUNCTION current_room_token(text) IS 'current_token as a room token';
 COMMENT ON FUNCTION in_flight(text) IS 'Who is holding the frontier back, and since when';
 COMMENT ON FUNCTION check_stream(text, boolean) IS 'Check the sequence against tables and stored positions; repair moves it forward';
+COMMENT ON FUNCTION is_position_worker(integer) IS
+    'Whether pid (a notification''s sender) is this database''s position worker';
 COMMENT ON FUNCTION adopt_synapse(name) IS
     'Register every stream of the Synapse database in schema, with its sequence, tables, instance ids and positions';
 COMMENT ON FUNCTION wait_for(text, bigint, integer) IS

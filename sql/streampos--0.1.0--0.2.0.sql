@@ -41,13 +41,22 @@ CREATE OR REPLACE FUNCTION instances_immutable() RETURNS trigger
 --    forms read streampos.instances, so they are STABLE now.
 -- 3. Whatever stored the old order or old answers is rebuilt here: every
 --    index that sorts room tokens with room_stream_token_ops, or whose
---    expressions or predicate use a changed function or operator, and every
---    table CHECK constraint using one is re-checked. What cannot be rebuilt
+--    expressions or predicate use a changed function or operator. Table
+--    CHECK constraints using one are re-checked, and what cannot be rebuilt
 --    in place (range partitioning or range types on room_stream_token_ops,
 --    stored generated columns and domain constraints using a changed
---    function) stops the upgrade with an error naming it. Hash indexes and
---    multi_writer_token are unaffected: = and the stored bytes are
---    unchanged, and live tokens keep their order.
+--    function) stops the upgrade with an error naming it; but only for
+--    objects whose owner has the privileges of the role running the update
+--    (its own, a superuser's). The update never evaluates an expression of
+--    another role's object, nor lets one stop it: their CHECK constraints
+--    are not re-checked, their partitioned tables, range types, generated
+--    columns and domains are left as they are, and their indexes with
+--    expressions or a predicate are not rebuilt, each with a WARNING naming
+--    it (its owner fixes it); their plain indexes are rebuilt (by
+--    PostgreSQL, as their owner, with no code but the extension's
+--    comparison), waiting at most 5 seconds for a lock, else a WARNING.
+--    Hash indexes and multi_writer_token are unaffected: = and the stored
+--    bytes are unchanged, and live tokens keep their order.
 --
 -- The library keeps the 0.1.0 answers under the 0.1.0 C symbols, so that a
 -- database not yet updated keeps the order its indexes were built in; here
@@ -95,8 +104,14 @@ DECLARE
     -- Functions and operators whose answers changed.
     changed oid[];
     changed_operators oid[];
+    -- The role running the update: an object whose owner has its
+    -- privileges is its own to check (and to be refused over); any other
+    -- role's object is never evaluated and never stops the update.
+    updater oid := (SELECT r.oid FROM pg_catalog.pg_roles r
+                    WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER);
     found record;
     violates boolean;
+    saved_lock_timeout text;
 BEGIN
     SELECT c.oid INTO STRICT room_ops
     FROM pg_catalog.pg_opclass c
@@ -120,62 +135,95 @@ BEGIN
 
     -- What cannot be rebuilt in place.
     FOR found IN
-        SELECT pt.partrelid::pg_catalog.regclass AS what
+        SELECT pt.partrelid::pg_catalog.regclass AS what, c.relowner AS owner
         FROM pg_catalog.pg_partitioned_table pt
+        JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) pt.partrelid
         WHERE pt.partstrat OPERATOR(pg_catalog.=) 'r'
           AND room_ops OPERATOR(pg_catalog.=) ANY (pt.partclass::oid[])
     LOOP
-        RAISE EXCEPTION 'cannot update streampos: table % is range-partitioned on room_stream_token', found.what
-            USING ERRCODE = 'object_not_in_prerequisite_state',
-                  DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so rows could be in the wrong partition.',
-                  HINT = 'Detach its partitions or repartition the table without room_stream_token, then update.';
+        IF pg_catalog.pg_has_role(found.owner, updater, 'USAGE') THEN
+            RAISE EXCEPTION 'cannot update streampos: table % is range-partitioned on room_stream_token', found.what
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so rows could be in the wrong partition.',
+                      HINT = 'Detach its partitions or repartition the table without room_stream_token, then update.';
+        END IF;
+        RAISE WARNING 'streampos: table % (owned by %) is range-partitioned on room_stream_token; left as it is',
+                found.what, found.owner::pg_catalog.regrole
+            USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so rows could be in the wrong partition. The update does not check another role''s table.',
+                  HINT = 'Its owner should detach its partitions or repartition it without room_stream_token.';
     END LOOP;
     FOR found IN
-        SELECT r.rngtypid::pg_catalog.regtype AS what
+        SELECT r.rngtypid::pg_catalog.regtype AS what, t.typowner AS owner
         FROM pg_catalog.pg_range r
+        JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) r.rngtypid
         WHERE r.rngsubopc OPERATOR(pg_catalog.=) room_ops
     LOOP
-        RAISE EXCEPTION 'cannot update streampos: range type % is ordered by room_stream_token_ops', found.what
-            USING ERRCODE = 'object_not_in_prerequisite_state',
-                  DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so stored ranges could be empty or inverted.',
-                  HINT = 'Drop the range type and what uses it, update, then create them again.';
+        IF pg_catalog.pg_has_role(found.owner, updater, 'USAGE') THEN
+            RAISE EXCEPTION 'cannot update streampos: range type % is ordered by room_stream_token_ops', found.what
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so stored ranges could be empty or inverted.',
+                      HINT = 'Drop the range type and what uses it, update, then create them again.';
+        END IF;
+        RAISE WARNING 'streampos: range type % (owned by %) is ordered by room_stream_token_ops; left as it is',
+                found.what, found.owner::pg_catalog.regrole
+            USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so stored ranges could be empty or inverted. The update does not check another role''s type.',
+                  HINT = 'Its owner should drop it and what uses it, and create them again.';
     END LOOP;
     FOR found IN
-        SELECT DISTINCT pg_catalog.pg_describe_object(d.classid, d.objid, d.objsubid) AS what
+        SELECT DISTINCT pg_catalog.pg_describe_object(d.classid, d.objid, d.objsubid) AS what,
+               COALESCE(tc.relowner, ty.typowner) AS owner
         FROM pg_catalog.pg_depend d
+        LEFT JOIN pg_catalog.pg_attrdef ad
+          ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_attrdef'::pg_catalog.regclass
+         AND ad.oid OPERATOR(pg_catalog.=) d.objid
+        LEFT JOIN pg_catalog.pg_constraint co
+          ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass
+         AND co.oid OPERATOR(pg_catalog.=) d.objid
+        LEFT JOIN pg_catalog.pg_class tc
+          ON tc.oid OPERATOR(pg_catalog.=) COALESCE(ad.adrelid, co.conrelid)
+        LEFT JOIN pg_catalog.pg_type ty ON ty.oid OPERATOR(pg_catalog.=) co.contypid
         WHERE ((d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
                 AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed))
             OR (d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_operator'::pg_catalog.regclass
                 AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed_operators)))
           AND (
               -- a stored generated column (a plain default is computed anew)
-              (d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_attrdef'::pg_catalog.regclass
+              (ad.oid IS NOT NULL
                AND EXISTS (
-                   SELECT 1 FROM pg_catalog.pg_attrdef ad
-                   JOIN pg_catalog.pg_attribute a
-                     ON a.attrelid OPERATOR(pg_catalog.=) ad.adrelid
-                    AND a.attnum OPERATOR(pg_catalog.=) ad.adnum
-                   WHERE ad.oid OPERATOR(pg_catalog.=) d.objid
+                   SELECT 1 FROM pg_catalog.pg_attribute a
+                   WHERE a.attrelid OPERATOR(pg_catalog.=) ad.adrelid
+                     AND a.attnum OPERATOR(pg_catalog.=) ad.adnum
                      AND a.attgenerated OPERATOR(pg_catalog.=) 's'))
-              -- a constraint other than a table CHECK (re-checked below)
-           OR (d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass
-               AND NOT EXISTS (
-                   SELECT 1 FROM pg_catalog.pg_constraint c
-                   WHERE c.oid OPERATOR(pg_catalog.=) d.objid
-                     AND c.contype OPERATOR(pg_catalog.=) 'c'
-                     AND c.conrelid OPERATOR(pg_catalog.<>) 0)))
+              -- a constraint other than a table CHECK (handled below)
+           OR (co.oid IS NOT NULL
+               AND NOT (co.contype OPERATOR(pg_catalog.=) 'c'
+                        AND co.conrelid OPERATOR(pg_catalog.<>) 0)))
     LOOP
-        RAISE EXCEPTION 'cannot update streampos: % compares room tokens', found.what
-            USING ERRCODE = 'object_not_in_prerequisite_state',
-                  DETAIL = 'Version 0.2.0 changes the order of room_stream_token and the answers of is_before_or_eq and in_range on room tokens; stored results would be stale.',
-                  HINT = 'Drop that expression or constraint, update, then create it again.';
+        IF found.owner IS NULL OR pg_catalog.pg_has_role(found.owner, updater, 'USAGE') THEN
+            RAISE EXCEPTION 'cannot update streampos: % compares room tokens', found.what
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      DETAIL = 'Version 0.2.0 changes the order of room_stream_token and the answers of is_before_or_eq and in_range on room tokens; stored results would be stale.',
+                      HINT = 'Drop that expression or constraint, update, then create it again.';
+        END IF;
+        RAISE WARNING 'streampos: % (owned by %) compares room tokens; left as it is',
+                found.what, found.owner::pg_catalog.regrole
+            USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token and the answers of is_before_or_eq and in_range on room tokens; stored results may be stale. The update does not evaluate another role''s expressions.',
+                  HINT = 'Its owner should drop that expression or constraint and create it again.';
     END LOOP;
 
-    -- Table CHECK constraints: still true of every row?
+    -- Table CHECK constraints: still true of every row? Evaluated only on
+    -- the updating role's own tables (as it would be on any of its
+    -- inserts), each table on its own (ONLY: an inheritance child or
+    -- partition has its own copy of an inherited constraint, and its
+    -- owner's constraints are not planned here).
     FOR found IN
-        SELECT DISTINCT c.conrelid::pg_catalog.regclass AS tbl, c.conname,
+        SELECT DISTINCT c.conrelid::pg_catalog.regclass AS tbl, c.conname, t.relowner AS owner,
+               t.relkind OPERATOR(pg_catalog.=) ANY ('{r,p}'::pg_catalog."char"[])
+                   AND (t.relpersistence OPERATOR(pg_catalog.<>) 't'
+                        OR t.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()) AS readable,
                pg_catalog.pg_get_expr(c.conbin, c.conrelid) AS expr
         FROM pg_catalog.pg_constraint c
+        JOIN pg_catalog.pg_class t ON t.oid OPERATOR(pg_catalog.=) c.conrelid
         JOIN pg_catalog.pg_depend d
           ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass
          AND d.objid OPERATOR(pg_catalog.=) c.oid
@@ -186,7 +234,15 @@ BEGIN
             OR (d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_operator'::pg_catalog.regclass
                 AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed_operators)))
     LOOP
-        EXECUTE pg_catalog.format('SELECT EXISTS (SELECT 1 FROM %s WHERE NOT (%s))', found.tbl, found.expr)
+        IF NOT (found.readable AND pg_catalog.pg_has_role(found.owner, updater, 'USAGE')) THEN
+            RAISE WARNING 'streampos: check constraint "%" of table % (owned by %) was not re-checked',
+                    found.conname, found.tbl, found.owner::pg_catalog.regrole
+                USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token and the answers of is_before_or_eq and in_range on room tokens, so rows may break it now. The update does not evaluate another role''s expressions.',
+                      HINT = pg_catalog.format('Its owner can find such rows with: SELECT * FROM ONLY %s WHERE NOT (%s);',
+                                               found.tbl, found.expr);
+            CONTINUE;
+        END IF;
+        EXECUTE pg_catalog.format('SELECT EXISTS (SELECT 1 FROM ONLY %s WHERE NOT (%s))', found.tbl, found.expr)
             INTO violates;
         IF violates THEN
             RAISE EXCEPTION 'cannot update streampos: rows of table % violate check constraint "%" under the new room token order',
@@ -197,11 +253,23 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- Indexes: rebuilt in the new order.
+    -- Indexes: rebuilt in the new order. REINDEX runs an index's
+    -- expressions as its table's owner in a security-restricted operation
+    -- (PostgreSQL's rule); another role's index is rebuilt only when it has
+    -- none (only the extension's comparison runs), and never waits more
+    -- than 5 seconds for a lock. A partitioned index has no storage: its
+    -- partitions' indexes are rebuilt one by one.
+    saved_lock_timeout := pg_catalog.current_setting('lock_timeout');
     FOR found IN
-        SELECT i.indexrelid::pg_catalog.regclass AS idx
+        SELECT i.indexrelid::pg_catalog.regclass AS idx, t.relowner AS owner,
+               (i.indexprs IS NULL AND i.indpred IS NULL) AS plain,
+               t.relpersistence OPERATOR(pg_catalog.=) 't'
+                   AND t.relnamespace OPERATOR(pg_catalog.<>) pg_catalog.pg_my_temp_schema() AS others_temp
         FROM pg_catalog.pg_index i
-        WHERE room_ops OPERATOR(pg_catalog.=) ANY (i.indclass::oid[])
+        JOIN pg_catalog.pg_class x ON x.oid OPERATOR(pg_catalog.=) i.indexrelid
+        JOIN pg_catalog.pg_class t ON t.oid OPERATOR(pg_catalog.=) i.indrelid
+        WHERE x.relkind OPERATOR(pg_catalog.=) 'i'
+          AND (room_ops OPERATOR(pg_catalog.=) ANY (i.indclass::oid[])
            OR EXISTS (
                SELECT 1 FROM pg_catalog.pg_depend d
                WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
@@ -209,10 +277,31 @@ BEGIN
                  AND ((d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
                        AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed))
                    OR (d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_operator'::pg_catalog.regclass
-                       AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed_operators))))
+                       AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed_operators)))))
         ORDER BY 1
     LOOP
-        EXECUTE pg_catalog.format('REINDEX INDEX %s', found.idx);
+        IF found.others_temp THEN
+            RAISE WARNING 'streampos: index % of another session''s temporary table was not rebuilt', found.idx
+                USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token; the table goes away with its session.';
+        ELSIF pg_catalog.pg_has_role(found.owner, updater, 'USAGE') THEN
+            EXECUTE pg_catalog.format('REINDEX INDEX %s', found.idx);
+        ELSIF NOT found.plain THEN
+            RAISE WARNING 'streampos: index % (owned by %) has expressions or a predicate and was not rebuilt',
+                    found.idx, found.owner::pg_catalog.regrole
+                USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token and the answers of is_before_or_eq and in_range on room tokens, so the index is out of order. The update does not run another role''s expressions.',
+                      HINT = pg_catalog.format('Its owner should run REINDEX INDEX %s;', found.idx);
+        ELSE
+            BEGIN
+                PERFORM pg_catalog.set_config('lock_timeout', '5s', true);
+                EXECUTE pg_catalog.format('REINDEX INDEX %s', found.idx);
+                PERFORM pg_catalog.set_config('lock_timeout', saved_lock_timeout, true);
+            EXCEPTION WHEN OTHERS THEN
+                RAISE WARNING 'streampos: index % (owned by %) was not rebuilt: %',
+                        found.idx, found.owner::pg_catalog.regrole, SQLERRM
+                    USING DETAIL = 'Version 0.2.0 changes the order of room_stream_token, so the index is out of order.',
+                          HINT = pg_catalog.format('Its owner should run REINDEX INDEX %s;', found.idx);
+            END;
+        END IF;
     END LOOP;
 END
 $upgrade$;

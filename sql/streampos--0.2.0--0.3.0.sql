@@ -70,3 +70,14 @@ ALTER TABLE streampos.stream_frontiers ENABLE ALWAYS TRIGGER catalog_rows_stay_l
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.history_marks
     FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
 ALTER TABLE streampos.history_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+
+-- Listeners tell the position worker's notifications from anybody else's
+-- (any role may NOTIFY streampos): the sender's pid, checked here.
+CREATE FUNCTION @extschema@."is_position_worker"(
+	"pid" INT
+) RETURNS bool
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'is_position_worker_wrapper';
+COMMENT ON FUNCTION @extschema@.is_position_worker(integer) IS
+    'Whether pid (a notification''s sender) is this database''s position worker';

@@ -107,6 +107,32 @@ pub enum Error {
     NotOwner(String),
     #[error("permission denied for table {0}")]
     NoSelect(String),
+    /// A role that cannot act as a table's owner asked the extension to
+    /// register it or to read it as its owner (`action` says who reads it).
+    #[error("must be owner of table {table}")]
+    NotTableOwner {
+        table: String,
+        owner: String,
+        action: &'static str,
+    },
+    /// Reading as the owner would show rows the table's policies hide from
+    /// the caller.
+    #[error("table {0} has row-level security enabled")]
+    RowSecurity(String),
+    /// A registered relation that is not (or no longer) a table.
+    #[error("{relation} is not a table")]
+    NotATable { relation: String, kind: String },
+    /// An ID or instance column of a type that is not built in.
+    #[error("column \"{column}\" of table {table} is of type {type_name}, not a built-in type")]
+    ColumnType {
+        column: Name,
+        table: String,
+        type_name: String,
+    },
+    /// A lock wait of a catalog change, bounded so that the sessions queued
+    /// behind it are not stalled by whoever holds the lock.
+    #[error("{message}")]
+    LockTimeout { message: String, detail: String },
     #[error("{message}")]
     InvalidArgument {
         message: String,
@@ -180,7 +206,13 @@ impl Error {
             Error::TooLarge { .. } | Error::TooManyWriters { .. } => {
                 Code::ERRCODE_PROGRAM_LIMIT_EXCEEDED
             }
-            Error::NotOwner(_) | Error::NoSelect(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            Error::NotOwner(_)
+            | Error::NoSelect(_)
+            | Error::NotTableOwner { .. }
+            | Error::RowSecurity(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            Error::NotATable { .. } => Code::ERRCODE_WRONG_OBJECT_TYPE,
+            Error::ColumnType { .. } => Code::ERRCODE_DATATYPE_MISMATCH,
+            Error::LockTimeout { .. } => Code::ERRCODE_LOCK_NOT_AVAILABLE,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
             Error::UnknownColumn { .. } => Code::ERRCODE_UNDEFINED_COLUMN,
             Error::NotASequence(_) => Code::ERRCODE_INVALID_PARAMETER_VALUE,
@@ -252,6 +284,21 @@ impl Error {
                     .into(),
             ),
             Error::InvalidArgument { detail, .. } | Error::InvalidState { detail, .. } => detail.clone(),
+            Error::NotTableOwner { owner, action, .. } => Some(format!(
+                "{action} reads the table as its owner, {owner} (its policies, index expressions and constraints run as that role): only a role with the privileges of {owner} may."
+            )),
+            Error::RowSecurity(_) => Some(
+                "streampos reads a stream's tables as their owner, which would show rows the table's policies hide from you."
+                    .into(),
+            ),
+            Error::NotATable { kind, .. } => Some(format!(
+                "streampos reads only tables and partitioned tables; this is {kind}."
+            )),
+            Error::ColumnType { .. } => Some(
+                "streampos reads ID and instance columns only of built-in types (looking through domains): the casts and operators of another type are code its owner wrote."
+                    .into(),
+            ),
+            Error::LockTimeout { detail, .. } => Some(detail.clone()),
             Error::NotSynapse { missing, .. } => Some(missing.clone()),
             Error::InstanceConflict(_) => Some(
                 "Tokens that clients hold name writers by Synapse's instance ids; importing would change what they mean. Nothing was changed."
@@ -287,6 +334,13 @@ impl Error {
             ),
             Error::NotSynapse { .. } => Some(
                 "Pass the schema that holds Synapse's tables: streampos.adopt_synapse('<schema>').".into(),
+            ),
+            Error::RowSecurity(_) => Some(
+                "Call it as the table's owner (or a member of that role) or as a role with BYPASSRLS, or disable row-level security on the table."
+                    .into(),
+            ),
+            Error::LockTimeout { .. } => Some(
+                "Retry; pg_locks shows which session holds the lock (end it, or wait until it ends).".into(),
             ),
             _ => None,
         }

@@ -46,6 +46,15 @@ pgrx::extension_sql_file!("../sql/finalize.sql", name = "finalize", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    // No Rust backtrace ever reaches a client: pgrx puts the one captured
+    // at a panic (or at a PostgreSQL ERROR crossing Rust frames) into the
+    // error's DETAIL when the standard library's capture is enabled, which
+    // RUST_BACKTRACE in the server's environment does. RUST_LIB_BACKTRACE
+    // takes precedence over it; the first capture reads the setting and
+    // the standard library keeps its answer for the process (and for the
+    // processes the postmaster forks after preloading us).
+    std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    let _ = std::backtrace::Backtrace::capture();
     // The registry exists only when the library is preloaded: shared memory
     // can be requested nowhere else. Token types work either way.
     // SAFETY: a flag the postmaster sets while it loads preloaded libraries.

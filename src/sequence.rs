@@ -79,15 +79,49 @@ fn with_page<T>(
 
 /// Allocation holds the sequence (ROW EXCLUSIVE, as `nextval` takes it,
 /// until the transaction ends) before it registers anything
-/// (`open_for_allocation`); `drop_stream` takes EXCLUSIVE on it, so it waits
-/// for every transaction allocating from it, and every later allocation
-/// waits for it and then sees its change.
-pub fn lock_against_allocation(seq: pg_sys::Oid) {
-    // SAFETY: takes a heavyweight lock held to the end of the transaction.
-    // A failed wait (lock_timeout, a cancel, a deadlock) is an ERROR that
-    // pgrx's binding carries to our function's boundary (no second guard:
-    // see `with_page`).
-    unsafe { pg_sys::LockRelationOid(seq, pg_sys::ExclusiveLock as pg_sys::LOCKMODE) }
+/// (`open_for_allocation`); `drop_stream` and a repair take EXCLUSIVE (or
+/// ACCESS EXCLUSIVE, a drop of the sequence) on it, so they wait for every
+/// transaction allocating from it, and every later allocation waits for
+/// them and then sees their change.
+///
+/// The wait is bounded (`sql::with_lock_wait_bound`): allocations queue
+/// behind a lock request that waits, and any role may hold a lock that
+/// conflicts with it (parse analysis of a statement it may PREPARE locks
+/// before checking privileges). Past the bound: 55P03, naming the sequence.
+pub fn lock_against_allocation(
+    seq: pg_sys::Oid,
+    mode: pg_sys::LOCKMODE,
+    stream: &str,
+    action: &'static str,
+) {
+    // SAFETY: takes a heavyweight lock held to the end of the transaction,
+    // if it is free now.
+    if unsafe { pg_sys::ConditionalLockRelationOid(seq, mode) } {
+        return;
+    }
+    let message = format!(
+        "could not lock sequence {} of stream \"{}\" for {action}",
+        sql::relation_name(seq),
+        crate::error::clip(stream)
+    );
+    sql::with_lock_wait_bound(|| {
+        let detail = format!(
+            "Another session holds a lock on it: it allocates from the stream, or holds a lock any role may take. {action} waits at most {} ms, so that the stream's writers do not queue behind it.",
+            sql::lock_wait_bound_ms()
+        );
+        // SAFETY: as above, waiting at most lock_timeout; a failed wait (a
+        // timeout, a cancel, a deadlock) is an ERROR that pgrx's binding
+        // carries to the catch (no second guard: see `with_page`).
+        pgrx::PgTryBuilder::new(|| unsafe { pg_sys::LockRelationOid(seq, mode) })
+            .catch_when(pgrx::PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
+                Error::LockTimeout {
+                    message: message.clone(),
+                    detail: detail.clone(),
+                }
+                .report()
+            })
+            .execute()
+    })
 }
 
 /// Refuse a sequence a stream cannot use: not a sequence, or not permanent

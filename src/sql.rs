@@ -12,9 +12,14 @@
 //! - the catalog tables are written only here, as the extension's owner
 //!   (`as_owner`), never with the caller's privileges: nobody else may write
 //!   them;
-//! - what reads or changes the caller's own objects (their tables in
-//!   `updates` and `check_stream`, `setval` on their sequence) runs with the
-//!   caller's privileges.
+//! - a relation another role may own (a stream's table, Synapse's tables)
+//!   is read only through `read_as_owner`: checked to be a table the caller
+//!   may read, then read as its owner in a security-restricted operation,
+//!   as VACUUM and ANALYZE do, so that its policies, index expressions,
+//!   constraints and rules run as the role that wrote them, never as the
+//!   caller (docs/design.md, "Untrusted objects");
+//! - what changes the caller's own objects (`setval` on their sequence) runs
+//!   with the caller's privileges.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -58,6 +63,84 @@ fn with_safe_path<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Longest a catalog change waits for a lock that other sessions queue
+/// behind (`drop_stream` and a repair hold the stream's sequence against
+/// allocation; while one of them waits, the stream's writers wait behind
+/// it): the session's lock_timeout if it is shorter.
+const LOCK_WAIT_BOUND_MS: i32 = 5000;
+
+/// Run `f` with `lock_timeout` at most `LOCK_WAIT_BOUND_MS`. The setting
+/// is restored afterwards, or by the abort of the (sub)transaction when `f`
+/// raises an ERROR.
+pub fn with_lock_wait_bound<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: reads a GUC variable; a GUC nest level is opened and closed
+    // around `f`, and on ERROR transaction abort unwinds it.
+    unsafe {
+        let current = pg_sys::LockTimeout;
+        if current > 0 && current <= LOCK_WAIT_BOUND_MS {
+            return f();
+        }
+        let Ok(value) = CString::new(LOCK_WAIT_BOUND_MS.to_string()) else {
+            return f();
+        };
+        let level = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"lock_timeout".as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        let result = f();
+        pg_sys::AtEOXact_GUC(true, level);
+        result
+    }
+}
+
+/// The lock wait bound in force (for messages), in milliseconds.
+pub fn lock_wait_bound_ms() -> i32 {
+    // SAFETY: reads a GUC variable.
+    let current = unsafe { pg_sys::LockTimeout };
+    if current > 0 && current <= LOCK_WAIT_BOUND_MS {
+        current
+    } else {
+        LOCK_WAIT_BOUND_MS
+    }
+}
+
+/// The extension's own lock on its catalog: an advisory lock tag whose
+/// fourth field no SQL function can produce (pg_advisory_lock and its
+/// siblings use 1 and 2), so that no role can hold it but the extension's
+/// functions. Adoption takes it EXCLUSIVE, every other change of
+/// `streampos.instances` and `streampos.streams` SHARE, until the
+/// transaction ends. (A table lock would not do: parse analysis of a
+/// statement PUBLIC may PREPARE, an INSERT into the catalog, takes ROW
+/// EXCLUSIVE before its privilege check and keeps it.)
+fn lock_catalog(mode: u32) {
+    let tag = pg_sys::LOCKTAG {
+        // SAFETY: reads the backend's database, set at connection.
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: u32::from_be_bytes(*b"strm"),
+        locktag_field3: u32::from_be_bytes(*b"posc"),
+        locktag_field4: CATALOG_LOCK_CLASS,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    };
+    // SAFETY: a transaction-level heavyweight lock (released when the
+    // transaction or the subtransaction that took it ends); a failed wait
+    // is an ERROR.
+    unsafe {
+        pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, false);
+    }
+}
+
+/// The fourth field of the catalog lock's tag ("SP"); pg_locks shows it as
+/// the objsubid of an advisory lock.
+const CATALOG_LOCK_CLASS: u16 = 0x5350;
+
 /// The role that owns the extension (and its catalog tables).
 fn extension_owner() -> pg_sys::Oid {
     select_one::<pg_sys::Oid>(
@@ -68,11 +151,10 @@ fn extension_owner() -> pg_sys::Oid {
     .unwrap_or_else(|| Error::Internal("extension streampos is not installed".into()).report())
 }
 
-/// Run `f` as the extension's owner, in a security-restricted operation,
-/// for writes to the catalog tables. The caller's identity is restored
-/// afterwards, or by the abort of the (sub)transaction on ERROR.
-fn as_owner<T>(f: impl FnOnce() -> T) -> T {
-    let owner = extension_owner();
+/// Run `f` as `role`, in a security-restricted operation (no SET ROLE, no
+/// temporary objects, GUC changes undone). The caller's identity is
+/// restored afterwards, or by the abort of the (sub)transaction on ERROR.
+fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
     // SAFETY: the user id and security context are saved and restored
     // around `f`; on ERROR, (sub)transaction abort restores them itself.
     unsafe {
@@ -80,7 +162,7 @@ fn as_owner<T>(f: impl FnOnce() -> T) -> T {
         let mut saved_context = 0;
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
         pg_sys::SetUserIdAndSecContext(
-            owner,
+            role,
             saved_context
                 | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
                 | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
@@ -89,6 +171,12 @@ fn as_owner<T>(f: impl FnOnce() -> T) -> T {
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
         value
     }
+}
+
+/// Run `f` as the extension's owner, in a security-restricted operation,
+/// for writes to the catalog tables.
+fn as_owner<T>(f: impl FnOnce() -> T) -> T {
+    as_role(extension_owner(), f)
 }
 
 /// The first column of the first row, or None for no rows (pgrx's `first()`
@@ -187,6 +275,222 @@ fn role_name(oid: pg_sys::Oid) -> String {
     // palloc'd NUL-terminated string.
     let name = unsafe { CStr::from_ptr(pg_sys::GetUserNameFromId(oid, false)) };
     quote_ident(&name.to_string_lossy())
+}
+
+// ------------------------------------------- relations other roles may own
+
+/// Is `type_oid` built in all the way down: itself (looking through
+/// domains) and, for an array, its element type? Only the bootstrap
+/// superuser's types: no cast, operator or function of theirs is code
+/// another role wrote (to_jsonb looks up casts to json only for types that
+/// are not built in).
+pub fn built_in_type(type_oid: pg_sys::Oid) -> bool {
+    // SAFETY: syscache lookups; getBaseType raises an ERROR only for a type
+    // that does not exist (a live column's type exists).
+    unsafe {
+        let base = pg_sys::getBaseType(type_oid);
+        if base.to_u32() >= pg_sys::FirstNormalObjectId {
+            return false;
+        }
+        let element = pg_sys::get_element_type(base);
+        element == pg_sys::InvalidOid || built_in_type(element)
+    }
+}
+
+/// A type's name, for messages.
+pub fn type_name(type_oid: pg_sys::Oid) -> String {
+    // SAFETY: format_type_be returns a palloc'd string; a missing type
+    // prints as ??? (it does not raise).
+    unsafe {
+        CStr::from_ptr(pg_sys::format_type_be(type_oid))
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// Does the calling role have the privileges of `role` (is it `role`, a
+/// member of it, or a superuser)?
+pub fn caller_acts_as(role: pg_sys::Oid) -> bool {
+    // SAFETY: a catalog lookup; raises no error.
+    unsafe { pg_sys::has_privs_of_role(pg_sys::GetUserId(), role) }
+}
+
+/// Does `member` have the privileges of `role`?
+pub fn role_acts_as(member: pg_sys::Oid, role: pg_sys::Oid) -> bool {
+    // SAFETY: a catalog lookup; raises no error.
+    unsafe { pg_sys::has_privs_of_role(member, role) }
+}
+
+/// The owner of relation `oid` (None: it does not exist).
+pub fn relation_owner(oid: pg_sys::Oid) -> Option<pg_sys::Oid> {
+    select_one(
+        "SELECT c.relowner FROM pg_catalog.pg_class c WHERE c.oid OPERATOR(pg_catalog.=) $1",
+        &[oid.into()],
+    )
+}
+
+/// The name of role `oid` as messages show it (unquoted).
+pub fn role_display_name(oid: pg_sys::Oid) -> String {
+    // SAFETY: with noerr = true a missing role is NULL, not an ERROR.
+    unsafe {
+        let name = pg_sys::GetUserNameFromId(oid, true);
+        if name.is_null() {
+            format!("role {}", oid.to_u32())
+        } else {
+            CStr::from_ptr(name).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// What a relation kind is, for messages.
+pub fn relkind_name(kind: u8) -> &'static str {
+    match kind {
+        b'v' => "a view",
+        b'm' => "a materialized view",
+        b'f' => "a foreign table",
+        b'S' => "a sequence",
+        b'c' => "a composite type",
+        b'i' | b'I' => "an index",
+        b't' => "a TOAST table",
+        _ => "not a table",
+    }
+}
+
+/// Is `kind` a relation kind the extension reads rows of?
+pub fn is_table_kind(kind: u8) -> bool {
+    kind == pg_sys::RELKIND_RELATION || kind == pg_sys::RELKIND_PARTITIONED_TABLE
+}
+
+/// What the extension needs to know of a relation before it reads it.
+struct RelationFacts {
+    owner: pg_sys::Oid,
+    kind: u8,
+    row_security: bool,
+}
+
+/// Read relation `rel` as its owner: THE way the extension reads a table
+/// that another role may own (a stream's table, Synapse's tables).
+///
+/// The relation is locked (ACCESS SHARE, as any read takes) and then
+/// checked as it is now, at every use (`check_may_read`): a table the
+/// caller may read. Then `f` runs, given the relation's quoted name, as the
+/// relation's owner in a security-restricted operation with `search_path =
+/// pg_catalog, pg_temp`, as VACUUM, ANALYZE and REINDEX run a table's
+/// expressions: whatever the planner folds or the executor runs of the
+/// table (policies, index expressions and predicates, constraints used for
+/// exclusion, the constraints of inheritance children and partitions,
+/// rules) runs as the role that wrote it, never with the caller's
+/// privileges. `f` must only read `rel` (and the catalog).
+///
+/// None when the relation no longer exists (dropped concurrently).
+pub fn read_as_owner<T>(
+    rel: pg_sys::Oid,
+    columns: &[&str],
+    f: impl FnOnce(&str) -> T,
+) -> Option<T> {
+    // SAFETY: try_relation_open locks the relation first and returns NULL
+    // for one that does not exist; the form's fields are copied before the
+    // relation is closed (the lock stays until the transaction ends).
+    let facts = unsafe {
+        let r = pg_sys::try_relation_open(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        if r.is_null() {
+            return None;
+        }
+        let form = &*(*r).rd_rel;
+        let facts = RelationFacts {
+            owner: form.relowner,
+            kind: form.relkind as u8,
+            row_security: form.relrowsecurity,
+        };
+        pg_sys::relation_close(r, pg_sys::NoLock as pg_sys::LOCKMODE);
+        facts
+    };
+    let name = relation_name(rel);
+    check_may_read(rel, &name, &facts, columns);
+    Some(as_role(facts.owner, || f(&name)))
+}
+
+/// Refuse a read of `rel` by the caller, as `read_as_owner` would, without
+/// locking it (a follower checks before it waits, and must not hold its
+/// tables' locks while it sleeps). A relation that no longer exists passes
+/// (it is skipped when read).
+pub fn check_caller_may_read(rel: pg_sys::Oid, columns: &[&str]) {
+    let facts = select_all(
+        "SELECT c.relowner, c.relkind::pg_catalog.text, c.relrowsecurity FROM pg_catalog.pg_class c \
+         WHERE c.oid OPERATOR(pg_catalog.=) $1",
+        &[rel.into()],
+        |r| {
+            Ok(r.get::<pg_sys::Oid>(1)?.map(|owner| RelationFacts {
+                owner,
+                kind: r
+                    .get::<String>(2)
+                    .ok()
+                    .flatten()
+                    .and_then(|k| k.bytes().next())
+                    .unwrap_or(b'?'),
+                row_security: r.get::<bool>(3).ok().flatten().unwrap_or(true),
+            }))
+        },
+    );
+    if let Some(facts) = facts.first() {
+        check_may_read(rel, &relation_name(rel), facts, columns);
+    }
+}
+
+/// The checks before a read of `rel` as its owner: it must be a table or a
+/// partitioned table (a table turned into a view in place, same OID, is
+/// refused, not read: 42809); the caller must be allowed to SELECT
+/// `columns` (42501); and with row-level security enabled, the caller must
+/// have the owner's privileges or BYPASSRLS (42501): reading as the owner
+/// would show rows its policies hide from the caller.
+fn check_may_read(rel: pg_sys::Oid, name: &str, facts: &RelationFacts, columns: &[&str]) {
+    if !is_table_kind(facts.kind) {
+        Error::NotATable {
+            relation: name.into(),
+            kind: relkind_name(facts.kind).into(),
+        }
+        .report();
+    }
+    check_caller_may_select(rel, name, columns);
+    if facts.row_security && !caller_acts_as(facts.owner) {
+        // SAFETY: a catalog lookup; raises no error.
+        if !unsafe { pg_sys::has_bypassrls_privilege(pg_sys::GetUserId()) } {
+            Error::RowSecurity(name.into()).report();
+        }
+    }
+}
+
+/// Refuse (42501) a caller that may not SELECT `columns` of `rel` (a
+/// table-level grant, or one on each column). A relation or column dropped
+/// meanwhile counts as not granted.
+fn check_caller_may_select(rel: pg_sys::Oid, name: &str, columns: &[&str]) {
+    // SAFETY: catalog lookups that report a missing relation or column in
+    // `missing` instead of raising an error.
+    unsafe {
+        let me = pg_sys::GetUserId();
+        let select = pg_sys::ACL_SELECT as pg_sys::AclMode;
+        let mut missing = false;
+        if pg_sys::pg_class_aclcheck_ext(rel, me, select, &mut missing)
+            == pg_sys::AclResult::ACLCHECK_OK
+        {
+            return;
+        }
+        if columns.is_empty() {
+            Error::NoSelect(name.into()).report();
+        }
+        for column in columns {
+            let Ok(c) = CString::new(*column) else {
+                Error::NoSelect(name.into()).report();
+            };
+            let attnum = pg_sys::get_attnum(rel, c.as_ptr());
+            if attnum == pg_sys::InvalidAttrNumber as i16
+                || pg_sys::pg_attribute_aclcheck_ext(rel, attnum, me, select, &mut missing)
+                    != pg_sys::AclResult::ACLCHECK_OK
+            {
+                Error::NoSelect(name.into()).report();
+            }
+        }
+    }
 }
 
 // ------------------------------------------------------------------ catalog
@@ -329,6 +633,7 @@ pub fn instance_id_of(name: &str) -> Option<i32> {
 /// sequence is first moved past every id in the table, so that ids given
 /// explicitly (imported, restored) are never handed out again.
 pub fn insert_instance(name: &str) -> Option<i32> {
+    lock_catalog_for_change();
     as_owner(|| {
         update_one::<i64>(
             "SELECT pg_catalog.setval('streampos.instances_instance_id_seq'::pg_catalog.regclass, m.max_id) \
@@ -458,6 +763,7 @@ pub fn insert_stream(
         backwards.into(),
         text_array(writers),
     ];
+    lock_catalog_for_change();
     as_owner(|| {
         run(
             "INSERT INTO streampos.streams (stream_name, seq, owns_sequence, backwards, writers) \
@@ -468,6 +774,7 @@ pub fn insert_stream(
 }
 
 pub fn delete_stream(stream: &str) {
+    lock_catalog_for_change();
     as_owner(|| {
         run(
             "DELETE FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1",
@@ -478,6 +785,7 @@ pub fn delete_stream(stream: &str) {
 
 pub fn set_stream_writers(stream: &str, writers: Option<Vec<String>>) {
     let args: [DatumWithOid; 2] = [stream.into(), text_array(writers)];
+    lock_catalog_for_change();
     as_owner(|| {
         run(
             "UPDATE streampos.streams s SET writers = $2 \
@@ -503,16 +811,6 @@ pub fn reset_positions(stream: &str, writers: Vec<String>, front: i64) {
             &[stream.into(), writers.into(), front.into()],
         );
     });
-}
-
-/// The attribute number of a live column of `tbl` called `column`.
-pub fn column_number(tbl: pg_sys::Oid, column: &str) -> Option<i16> {
-    select_one(
-        "SELECT a.attnum FROM pg_catalog.pg_attribute a \
-         WHERE a.attrelid OPERATOR(pg_catalog.=) $1 AND a.attname OPERATOR(pg_catalog.=) $2 \
-           AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped",
-        &[tbl.into(), column.into()],
-    )
 }
 
 pub fn upsert_stream_table(
@@ -577,8 +875,13 @@ pub fn create_sequence(name: &str, owner_role: pg_sys::Oid) -> pg_sys::Oid {
 }
 
 /// Drop a sequence a stream owns, if it is still the one in schema
-/// streampos that the stream created.
-pub fn drop_owned_sequence(seq: pg_sys::Oid) {
+/// streampos that the stream created, with what depends on it: a view or a
+/// column default another role made on it (any role may make one, and one
+/// would otherwise make `drop_stream` fail), each named in a NOTICE. Run
+/// under `with_lock_wait_bound`: such an object locked by another session
+/// makes the drop fail (55P03) instead of waiting while the stream's
+/// writers queue behind it.
+pub fn drop_owned_sequence(seq: pg_sys::Oid, stream: &str) {
     let in_streampos: Option<bool> = select_one(
         "SELECT true FROM pg_catalog.pg_class c \
          JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace \
@@ -588,7 +891,24 @@ pub fn drop_owned_sequence(seq: pg_sys::Oid) {
     );
     if in_streampos.is_some() {
         let name = relation_name(seq);
-        as_owner(|| run(&format!("DROP SEQUENCE {name}"), &[]));
+        let message = format!(
+            "could not drop sequence {name} of stream \"{}\": an object that depends on it is locked by another session",
+            crate::error::clip(stream)
+        );
+        let detail = format!(
+            "drop_stream waits at most {} ms for a lock, so that the stream's writers do not queue behind it.",
+            lock_wait_bound_ms()
+        );
+        let statement = format!("DROP SEQUENCE {name} CASCADE");
+        pgrx::PgTryBuilder::new(|| as_owner(|| run(&statement, &[])))
+            .catch_when(pgrx::PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
+                Error::LockTimeout {
+                    message: message.clone(),
+                    detail: detail.clone(),
+                }
+                .report()
+            })
+            .execute();
     }
 }
 
@@ -637,78 +957,133 @@ pub fn setval(seq: pg_sys::Oid, value: i64) {
 
 /// A table of a stream, with its columns as they are now.
 pub struct StreamTable {
+    pub oid: pg_sys::Oid,
     /// Quoted, schema-qualified.
     pub name: String,
     pub id_column: String,
     pub instance_column: Option<String>,
     /// Every live column, in order, unquoted.
     pub columns: Vec<String>,
+    /// The columns' types, in the same order.
+    pub types: Vec<pg_sys::Oid>,
 }
 
-/// The stream's tables, by table name.
-pub fn stream_tables(stream: &str) -> Vec<StreamTable> {
-    let mut tables = select_all(
+/// A registered table that `updates` skips: its OID, what is wrong, and
+/// what fixes it.
+pub struct Unusable {
+    pub oid: pg_sys::Oid,
+    pub problem: String,
+    /// It was dropped: a repair forgets it.
+    pub dropped: bool,
+    pub advice: &'static str,
+}
+
+fn unusable(oid: pg_sys::Oid, problem: String, advice: &'static str) -> Unusable {
+    Unusable {
+        oid,
+        problem,
+        dropped: false,
+        advice,
+    }
+}
+
+/// Every registered table of a stream as it is now: usable, or what is
+/// wrong with it.
+fn registered_stream_tables(stream: &str) -> Vec<Result<StreamTable, Unusable>> {
+    select_all(
         "SELECT t.tbl::pg_catalog.oid, t.id_column::pg_catalog.text, t.instance_column::pg_catalog.text, \
+                c.relkind::pg_catalog.text, \
                 ARRAY(SELECT a.attname::pg_catalog.text FROM pg_catalog.pg_attribute a \
-                      WHERE a.attrelid OPERATOR(pg_catalog.=) t.tbl::pg_catalog.oid \
+                      WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
+                        AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped \
+                      ORDER BY a.attnum), \
+                ARRAY(SELECT a.atttypid FROM pg_catalog.pg_attribute a \
+                      WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
                         AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped \
                       ORDER BY a.attnum) \
-         FROM streampos.stream_tables t WHERE t.stream_name OPERATOR(pg_catalog.=) $1",
+         FROM streampos.stream_tables t \
+         LEFT JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) t.tbl::pg_catalog.oid \
+         WHERE t.stream_name OPERATOR(pg_catalog.=) $1 \
+         ORDER BY 1",
         &[stream.into()],
         |r| {
             let oid = r.get::<pg_sys::Oid>(1)?.unwrap_or(pg_sys::InvalidOid);
             let id_column = r.get::<String>(2)?.unwrap_or_default();
             let instance_column = r.get::<String>(3)?;
-            let columns = r.get::<Vec<String>>(4)?.unwrap_or_default();
-            // A table dropped (its regclass has no dependency) or that lost
-            // a registered column: skipped, reported by check_stream.
-            let usable = !columns.is_empty()
-                && columns.contains(&id_column)
-                && instance_column.as_ref().is_none_or(|c| columns.contains(c));
-            Ok(usable.then(|| StreamTable {
-                name: relation_name(oid),
+            let Some(kind) = r.get::<String>(4)? else {
+                return Ok(Some(Err(Unusable {
+                    oid,
+                    problem: "was dropped".into(),
+                    dropped: true,
+                    advice: "repair => true forgets it",
+                })));
+            };
+            let columns = r.get::<Vec<String>>(5)?.unwrap_or_default();
+            let types = r.get::<Vec<pg_sys::Oid>>(6)?.unwrap_or_default();
+            let name = relation_name(oid);
+            let kind = kind.bytes().next().unwrap_or(b'?');
+            if !is_table_kind(kind) {
+                return Ok(Some(Err(unusable(
+                    oid,
+                    format!("{name} is {} now, not a table", relkind_name(kind)),
+                    "streampos reads only tables",
+                ))));
+            }
+            for column in std::iter::once(&id_column).chain(&instance_column) {
+                match columns.iter().position(|c| c == column) {
+                    None => {
+                        return Ok(Some(Err(unusable(
+                            oid,
+                            format!("{name} has no column {column}"),
+                            "add_table() again with the new column names",
+                        ))))
+                    }
+                    // updates() compares and casts these columns: only
+                    // built-in types, whose casts and operators nobody but
+                    // the bootstrap superuser wrote.
+                    Some(i) if !built_in_type(types[i]) => {
+                        return Ok(Some(Err(unusable(
+                            oid,
+                            format!(
+                                "column {column} of {name} is of type {}, not a built-in type",
+                                type_name(types[i])
+                            ),
+                            "streampos compares and casts ID and instance columns only of built-in types",
+                        ))))
+                    }
+                    Some(_) => {}
+                }
+            }
+            Ok(Some(Ok(StreamTable {
+                oid,
+                name,
                 id_column,
                 instance_column,
                 columns,
-            }))
+                types,
+            })))
         },
-    );
+    )
+}
+
+/// The stream's usable tables, by table name.
+pub fn stream_tables(stream: &str) -> Vec<StreamTable> {
+    let mut tables: Vec<StreamTable> = registered_stream_tables(stream)
+        .into_iter()
+        .filter_map(Result::ok)
+        .collect();
     tables.sort_by(|a, b| a.name.cmp(&b.name));
     tables
 }
 
-/// Registered tables of a stream that `stream_tables` skips: dropped, or
-/// without a registered column. (OID, what is wrong.)
-pub fn unusable_stream_tables(stream: &str) -> Vec<(pg_sys::Oid, String)> {
-    select_all(
-        "SELECT t.tbl::pg_catalog.oid, \
-                CASE WHEN c.oid IS NULL THEN 'was dropped' \
-                     ELSE pg_catalog.format('%s has no column %s', c.oid::pg_catalog.regclass, \
-                          CASE WHEN NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a \
-                                                WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
-                                                  AND a.attname OPERATOR(pg_catalog.=) t.id_column \
-                                                  AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped) \
-                               THEN t.id_column ELSE t.instance_column END) END \
-         FROM streampos.stream_tables t \
-         LEFT JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) t.tbl::pg_catalog.oid \
-         WHERE t.stream_name OPERATOR(pg_catalog.=) $1 \
-           AND (c.oid IS NULL \
-                OR NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a \
-                               WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
-                                 AND a.attname OPERATOR(pg_catalog.=) t.id_column \
-                                 AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped) \
-                OR (t.instance_column IS NOT NULL AND NOT EXISTS ( \
-                               SELECT FROM pg_catalog.pg_attribute a \
-                               WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
-                                 AND a.attname OPERATOR(pg_catalog.=) t.instance_column \
-                                 AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped))) \
-         ORDER BY 1",
-        &[stream.into()],
-        |r| {
-            Ok(r.get::<pg_sys::Oid>(1)?
-                .zip(r.get::<String>(2)?))
-        },
-    )
+/// Registered tables of a stream that `stream_tables` skips: dropped,
+/// without a registered column, not a table any more, or with an ID or
+/// instance column of a type that is not built in.
+pub fn unusable_stream_tables(stream: &str) -> Vec<Unusable> {
+    registered_stream_tables(stream)
+        .into_iter()
+        .filter_map(Result::err)
+        .collect()
 }
 
 /// `check_stream(…, repair => true)`: forget a registered table that was
@@ -726,8 +1101,8 @@ pub fn forget_dropped_stream_table(stream: &str, tbl: pg_sys::Oid) {
     });
 }
 
-/// The highest ID (internal numbering) in one table of a stream, read with
-/// the caller's privileges and snapshot.
+/// The highest ID (internal numbering) in one table of a stream, with the
+/// caller's snapshot, read as the table's owner (`read_as_owner`).
 pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
     let id = quote_ident(&table.id_column);
     let agg = if backwards {
@@ -735,27 +1110,42 @@ pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
     } else {
         format!("pg_catalog.max(t.{id})::pg_catalog.int8")
     };
-    select_one(&format!("SELECT {agg} FROM {} t", table.name), &[])
+    read_as_owner(table.oid, &[&table.id_column], |name| {
+        select_one(&format!("SELECT {agg} FROM {name} t"), &[])
+    })
+    .flatten()
 }
 
-/// The highest ID at most `ceiling` in one table of a forward stream, read
-/// with the caller's privileges and snapshot.
+/// The highest ID at most `ceiling` in one table of a forward stream, with
+/// the caller's snapshot, read as the table's owner (`read_as_owner`).
 pub fn table_max_id_at_most(table: &StreamTable, ceiling: i64) -> Option<i64> {
     let id = quote_ident(&table.id_column);
-    select_one(
-        &format!(
-            "SELECT pg_catalog.max(t.{id})::pg_catalog.int8 FROM {} t \
-             WHERE t.{id} OPERATOR(pg_catalog.<=) $1",
-            table.name
-        ),
-        &[ceiling.into()],
-    )
+    read_as_owner(table.oid, &[&table.id_column], |name| {
+        select_one(
+            &format!(
+                "SELECT pg_catalog.max(t.{id})::pg_catalog.int8 FROM {name} t \
+                 WHERE t.{id} OPERATOR(pg_catalog.<=) $1"
+            ),
+            &[ceiling.into()],
+        )
+    })
+    .flatten()
+}
+
+/// Refuse (before a follower waits) a caller that `updates` would refuse
+/// when it reads the stream's tables (see `read_as_owner`); without taking
+/// their locks, which a sleeping follower would otherwise hold.
+pub fn check_may_follow(stream: &str) {
+    for table in stream_tables(stream) {
+        let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
+        check_caller_may_read(table.oid, &columns);
+    }
 }
 
 /// The FROM and WHERE of `updates`' reads of one table: rows with
 /// $1 < id <= $2 whose writer (the instance column) is in range between the
 /// multi-writer tokens $3 (exclusive) and $4 (inclusive).
-fn rows_in_range(table: &StreamTable) -> String {
+fn rows_in_range(table: &StreamTable, name: &str) -> String {
     let id = quote_ident(&table.id_column);
     let (join, instance) = match &table.instance_column {
         Some(column) => (
@@ -773,7 +1163,7 @@ fn rows_in_range(table: &StreamTable) -> String {
          WHERE t.{id} OPERATOR(pg_catalog.>) $1 AND t.{id} OPERATOR(pg_catalog.<=) $2 \
            AND streampos.in_range($3::streampos.multi_writer_token, $4::streampos.multi_writer_token, \
                                   {instance}, t.{id}::pg_catalog.int8)",
-        tbl = table.name,
+        tbl = name,
     )
 }
 
@@ -799,16 +1189,39 @@ impl RowRange<'_> {
 }
 
 /// The IDs of the first `limit` rows of one table that `updates` would
-/// return, in ID order, read with the active snapshot.
+/// return, in ID order, read with the active snapshot as the table's owner
+/// (`read_as_owner`).
 pub fn row_ids(table: &StreamTable, range: &RowRange, limit: i64) -> Vec<i64> {
     let id = quote_ident(&table.id_column);
-    let query = format!(
-        "SELECT t.{id}::pg_catalog.int8 {} ORDER BY t.{id} LIMIT $5",
-        rows_in_range(table)
-    );
     let mut args = range.args();
     args.push(limit.into());
-    select_all(&query, &args, |row| row.get::<i64>(1))
+    let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
+    read_as_owner(table.oid, &columns, |name| {
+        let query = format!(
+            "SELECT t.{id}::pg_catalog.int8 {} ORDER BY t.{id} LIMIT $5",
+            rows_in_range(table, name)
+        );
+        select_all(&query, &args, |row| row.get::<i64>(1))
+    })
+    .unwrap_or_default()
+}
+
+/// One column of a row of `updates`' answer as a JSON value. A column of a
+/// built-in type (`built_in_type`) is what `jsonb_build_array` makes of it;
+/// any other is the text of the type's output function (through `format`,
+/// which calls it directly: a cast to text is code the type's owner may
+/// have written, and so is a cast to json, which to_jsonb would look up), or
+/// null.
+fn json_column(column: &str, type_oid: pg_sys::Oid) -> String {
+    let c = quote_ident(column);
+    if built_in_type(type_oid) {
+        format!("t.{c}")
+    } else {
+        format!(
+            "CASE WHEN pg_catalog.num_nulls(t.{c}) OPERATOR(pg_catalog.=) 1 THEN NULL::pg_catalog.text \
+             ELSE pg_catalog.format('%s'::pg_catalog.text, t.{c}) END"
+        )
+    }
 }
 
 /// The `updates` answer, built by PostgreSQL in its own memory and read
@@ -816,7 +1229,9 @@ pub fn row_ids(table: &StreamTable, range: &RowRange, limit: i64) -> Vec<i64> {
 /// `{"token": …, "limited": …, "data": [[header], row, …, [header], row, …]}`
 /// with, for each table, `[table_name, position, row_count, column_count,
 /// column_name, …]` and then its rows with $1 < id <= $2 (and in range
-/// between the tokens) as JSON arrays, oldest first.
+/// between the tokens) as JSON arrays, oldest first. Each table's part is
+/// read as its owner (`read_as_owner`); the parts are put together as the
+/// caller.
 pub fn updates_answer(
     tables: &[StreamTable],
     range: &RowRange,
@@ -824,71 +1239,95 @@ pub fn updates_answer(
     position: i64,
     limited: bool,
 ) -> pg_sys::Datum {
-    let mut parts = Vec::new();
-    let mut headers = Vec::new();
-    let mut args = range.args();
-    args.push(token.to_string().into());
-    args.push(limited.into());
-    args.push(position.into());
-    for (n, table) in tables.iter().enumerate() {
+    let mut parts: Vec<pg_sys::Datum> = Vec::with_capacity(tables.len());
+    for table in tables {
         let id = quote_ident(&table.id_column);
         // jsonb_build_array takes at most 100 arguments (a table may have
         // up to 1600 columns): concatenate arrays of 100.
-        let row = table
-            .columns
+        let columns: Vec<(&String, &pg_sys::Oid)> =
+            table.columns.iter().zip(&table.types).collect();
+        let row = columns
             .chunks(100)
             .map(|chunk| {
-                let columns = chunk
+                let values = chunk
                     .iter()
-                    .map(|c| format!("t.{}", quote_ident(c)))
+                    .map(|(c, t)| json_column(c, **t))
                     .collect::<Vec<_>>()
                     .join(", ");
-                format!("pg_catalog.jsonb_build_array({columns})")
+                format!("pg_catalog.jsonb_build_array({values})")
             })
             .collect::<Vec<_>>()
             .join(" OPERATOR(pg_catalog.||) ");
-        parts.push(format!(
-            "SELECT {n} AS n, t.{id}::pg_catalog.int8 AS id, {row} AS j {}",
-            rows_in_range(table)
-        ));
-        let (name_arg, columns_arg) = (args.len() + 1, args.len() + 2);
+        let mut args = range.args();
         args.push(table.name.clone().into());
+        args.push(position.into());
         args.push(table.columns.clone().into());
-        headers.push(format!(
-            "({n}, ${name_arg}::pg_catalog.text, ${columns_arg}::pg_catalog.text[])"
-        ));
+        let names: Vec<&str> = table.columns.iter().map(String::as_str).collect();
+        let part = read_as_owner(table.oid, &names, |name| {
+            let query = format!(
+                "SELECT pg_catalog.jsonb_build_array( \
+                          pg_catalog.jsonb_build_array($5::pg_catalog.text, $6::pg_catalog.int8, \
+                                                       pg_catalog.count(*), \
+                                                       pg_catalog.cardinality($7::pg_catalog.text[])) \
+                          OPERATOR(pg_catalog.||) pg_catalog.to_jsonb($7::pg_catalog.text[])) \
+                        OPERATOR(pg_catalog.||) \
+                        COALESCE(pg_catalog.jsonb_agg(r.j ORDER BY r.id), '[]'::pg_catalog.jsonb) \
+                 FROM (SELECT t.{id}::pg_catalog.int8 AS id, {row} AS j {}) r",
+                rows_in_range(table, name)
+            );
+            select_datum(&query, &args)
+        })
+        .flatten();
+        // A table dropped since the list was read: skipped, as dropped
+        // tables are.
+        if let Some(part) = part {
+            parts.push(part);
+        }
     }
-    if tables.is_empty() {
-        parts.push("SELECT 0, 0::pg_catalog.int8, NULL::pg_catalog.jsonb WHERE false".into());
-        headers.push("(0, NULL::pg_catalog.text, NULL::pg_catalog.text[])".into());
+    let mut args: Vec<DatumWithOid> = vec![token.to_string().into(), limited.into()];
+    let mut values = Vec::with_capacity(parts.len());
+    for (n, part) in parts.into_iter().enumerate() {
+        // SAFETY: a jsonb datum copied into this function's memory context
+        // by `select_datum`.
+        args.push(unsafe { DatumWithOid::new(part, pg_sys::JSONBOID) });
+        values.push(format!("({n}, ${}::pg_catalog.jsonb)", n + 3));
     }
-    let query = format!(
-        "WITH r(n, id, j) AS ({rows}), \
-              h(n, name, cols) AS (VALUES {headers}), \
-              x(n, k, id, j) AS ( \
-                SELECT h.n, 0, 0::pg_catalog.int8, \
-                       pg_catalog.jsonb_build_array(h.name, $7, \
-                           (SELECT pg_catalog.count(*) FROM r WHERE r.n OPERATOR(pg_catalog.=) h.n), \
-                           pg_catalog.cardinality(h.cols)) \
-                       OPERATOR(pg_catalog.||) pg_catalog.to_jsonb(h.cols) \
-                FROM h WHERE h.name IS NOT NULL \
-                UNION ALL SELECT r.n, 1, r.id, r.j FROM r) \
-         SELECT pg_catalog.jsonb_build_object('token', $5::pg_catalog.text, 'limited', $6::pg_catalog.bool, \
-                'data', COALESCE((SELECT pg_catalog.jsonb_agg(x.j ORDER BY x.n, x.k, x.id) FROM x), \
-                                 '[]'::pg_catalog.jsonb))",
-        rows = parts.join(" UNION ALL "),
-        headers = headers.join(", "),
-    );
+    let data = if values.is_empty() {
+        "'[]'::pg_catalog.jsonb".to_string()
+    } else {
+        format!(
+            "COALESCE((SELECT pg_catalog.jsonb_agg(e.v ORDER BY u.n, e.k) \
+                       FROM (VALUES {}) AS u(n, a), \
+                            pg_catalog.jsonb_array_elements(u.a) WITH ORDINALITY AS e(v, k)), \
+                      '[]'::pg_catalog.jsonb)",
+            values.join(", ")
+        )
+    };
+    select_datum(
+        &format!(
+            "SELECT pg_catalog.jsonb_build_object('token', $1::pg_catalog.text, \
+                    'limited', $2::pg_catalog.bool, 'data', {data})"
+        ),
+        &args,
+    )
+    .unwrap_or_else(|| Error::Internal("updates() built no answer".into()).report())
+}
+
+/// The first column of the first row of a read-only query, a by-reference
+/// value copied into the caller's memory context (it outlives SPI).
+fn select_datum(query: &str, args: &[DatumWithOid]) -> Option<pg_sys::Datum> {
     with_safe_path(|| {
         spi(Spi::connect(|client| {
-            let table = client.select(query.as_str(), Some(1), &args)?;
+            let table = client.select(query, Some(1), args)?;
+            if table.is_empty() {
+                return Ok(None);
+            }
             let datum = table.first().get_datum_by_ordinal(1)?;
-            // SAFETY: a jsonb (varlena) result of this SPI call, copied into
-            // the function's memory context before SPI frees its own.
+            // SAFETY: a by-reference (varlena) result of this SPI call,
+            // copied into the upper memory context before SPI frees its own.
             Ok(datum.map(|d| unsafe { pg_sys::SPI_datumTransfer(d, false, -1) }))
         }))
     })
-    .unwrap_or_else(|| Error::Internal("updates() built no answer".into()).report())
 }
 
 // ------------------------------------------------------------ position worker
@@ -956,8 +1395,9 @@ pub fn notify_positions(stream: &str) {
 // What `adopt_synapse` reads in Synapse's schema and writes into the
 // catalog. Synapse's relations are looked up by (schema OID, name) in the
 // catalog, with the names as parameters, then used by OID; SQL text names
-// them only through `relation_name` at the moment of use. They are read
-// with the caller's privileges; the catalog is written as the owner.
+// them only through `relation_name` at the moment of use. They are read as
+// their owner (`read_as_owner`); the catalog is written as the extension's
+// owner.
 
 /// `schema.name`, each part quoted when it needs it (for messages about
 /// objects that do not exist, so have no OID).
@@ -997,40 +1437,44 @@ pub fn column_type(tbl: pg_sys::Oid, column: &str) -> Option<pg_sys::Oid> {
 
 /// Serialise adoption with every other catalog change until the end of the
 /// transaction: concurrent adoptions, new streams and new instance names
-/// wait (readers, allocations and the position worker do not).
+/// wait (readers, allocations and the position worker do not). See
+/// `lock_catalog`.
 pub fn lock_catalog_for_adoption() {
-    as_owner(|| {
-        run(
-            "LOCK TABLE streampos.instances, streampos.streams IN SHARE ROW EXCLUSIVE MODE",
-            &[],
-        )
-    });
+    lock_catalog(pg_sys::ExclusiveLock);
 }
 
-/// The highest version in Synapse's `schema_version` table `tbl`, read with
-/// the caller's privileges.
+/// A change of `streampos.instances` or `streampos.streams` other than
+/// adoption (see `lock_catalog`).
+fn lock_catalog_for_change() {
+    lock_catalog(pg_sys::ShareLock);
+}
+
+/// The highest version in Synapse's `schema_version` table `tbl`, read as
+/// its owner (`read_as_owner`).
 pub fn synapse_schema_version(tbl: pg_sys::Oid) -> Option<i64> {
-    select_one(
-        &format!(
-            "SELECT pg_catalog.max(t.version)::pg_catalog.int8 FROM {} t",
-            relation_name(tbl)
-        ),
-        &[],
-    )
+    read_as_owner(tbl, &["version"], |name| {
+        select_one(
+            &format!("SELECT pg_catalog.max(t.version)::pg_catalog.int8 FROM {name} t"),
+            &[],
+        )
+    })
+    .flatten()
 }
 
 /// Synapse's `instance_map` rows (instance_id, instance_name), by id, read
-/// with the caller's privileges.
+/// as its owner (`read_as_owner`).
 pub fn synapse_instances(tbl: pg_sys::Oid) -> Vec<(i64, String)> {
-    select_all(
-        &format!(
-            "SELECT t.instance_id::pg_catalog.int8, t.instance_name::pg_catalog.text FROM {} t \
-             WHERE t.instance_id IS NOT NULL AND t.instance_name IS NOT NULL ORDER BY 1",
-            relation_name(tbl)
-        ),
-        &[],
-        |r| Ok(r.get::<i64>(1)?.zip(r.get::<String>(2)?)),
-    )
+    read_as_owner(tbl, &["instance_id", "instance_name"], |name| {
+        select_all(
+            &format!(
+                "SELECT t.instance_id::pg_catalog.int8, t.instance_name::pg_catalog.text FROM {name} t \
+                 WHERE t.instance_id IS NOT NULL AND t.instance_name IS NOT NULL ORDER BY 1"
+            ),
+            &[],
+            |r| Ok(r.get::<i64>(1)?.zip(r.get::<String>(2)?)),
+        )
+    })
+    .unwrap_or_default()
 }
 
 /// The sequence that feeds column `column` of `tbl`: the one it owns
@@ -1063,19 +1507,21 @@ pub fn column_sequence(tbl: pg_sys::Oid, column: &str) -> Option<pg_sys::Oid> {
 }
 
 /// Synapse's `stream_positions` rows of one stream (instance_name,
-/// stream_id, signed), read with the caller's privileges.
+/// stream_id, signed), read as its owner (`read_as_owner`).
 pub fn synapse_positions(tbl: pg_sys::Oid, stream: &str) -> Vec<(String, i64)> {
-    select_all(
-        &format!(
-            "SELECT t.instance_name::pg_catalog.text, t.stream_id::pg_catalog.int8 FROM {} t \
-             WHERE t.stream_name::pg_catalog.text OPERATOR(pg_catalog.=) $1 \
-               AND t.instance_name IS NOT NULL AND t.stream_id IS NOT NULL \
-             ORDER BY 1",
-            relation_name(tbl)
-        ),
-        &[stream.into()],
-        |r| Ok(r.get::<String>(1)?.zip(r.get::<i64>(2)?)),
-    )
+    read_as_owner(tbl, &["stream_name", "instance_name", "stream_id"], |name| {
+        select_all(
+            &format!(
+                "SELECT t.instance_name::pg_catalog.text, t.stream_id::pg_catalog.int8 FROM {name} t \
+                 WHERE t.stream_name::pg_catalog.text OPERATOR(pg_catalog.=) $1 \
+                   AND t.instance_name IS NOT NULL AND t.stream_id IS NOT NULL \
+                 ORDER BY 1"
+            ),
+            &[stream.into()],
+            |r| Ok(r.get::<String>(1)?.zip(r.get::<i64>(2)?)),
+        )
+    })
+    .unwrap_or_default()
 }
 
 /// A stream's registered tables: (table, id column, instance column).

@@ -38,7 +38,12 @@ pub(super) fn check_stream(
     // setval needs) may hold it.
     if repair && checked.needed > checked.seq_max {
         sequence::check_may_repair(meta.seq, stream);
-        sequence::lock_against_allocation(meta.seq);
+        sequence::lock_against_allocation(
+            meta.seq,
+            pg_sys::ExclusiveLock as pg_sys::LOCKMODE,
+            stream,
+            "a repair",
+        );
         // A drop_stream that held the sequence first has committed by now.
         let now = catalog::stream_latest(stream).or_raise();
         if now.key != meta.key || now.seq != meta.seq {
@@ -173,24 +178,16 @@ fn checks(meta: &catalog::StreamMeta) -> Checked {
         ));
     }
     // Registered tables that updates() skips: dropped ones are forgotten by
-    // a repair; one that lost its column needs add_table() again.
+    // a repair; the others need fixing (add_table() again after a rename).
     let mut forget = Vec::new();
-    for (oid, problem) in unusable {
-        let dropped = problem == "was dropped";
-        if dropped {
-            forget.push(oid);
+    for table in unusable {
+        if table.dropped {
+            forget.push(table.oid);
         }
         rows.push((
-            format!("table oid {}", oid.to_u32()),
+            format!("table oid {}", table.oid.to_u32()),
             false,
-            format!(
-                "{problem}; updates() skips it{}",
-                if dropped {
-                    " (repair => true forgets it)"
-                } else {
-                    " (add_table() again with the new column names)"
-                }
-            ),
+            format!("{}; updates() skips it ({})", table.problem, table.advice),
         ));
     }
     let ok = stored <= seq_max;

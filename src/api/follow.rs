@@ -193,6 +193,9 @@ fn updates(
         .report();
     }
     refuse_on_standby();
+    // Whoever may not read the stream's tables (sql::read_as_owner) is
+    // refused now, not after waiting.
+    sql::check_may_follow(stream);
     let index = registry_index(&meta);
     let since = since.0;
     // A token at the cap prints to hundreds of kilobytes: the error quotes

@@ -9,10 +9,12 @@
 //! | `follow.rs` | wait_for, updates |
 //! | `check.rs` | check_stream |
 //! | `synapse.rs` | adopt_synapse |
+//! | `listen.rs` | is_position_worker |
 //! | `lock_stats.rs` | lock_stats (bench builds with the feature `lock-stats` only) |
 
 mod check;
 mod follow;
+mod listen;
 #[cfg(feature = "lock-stats")]
 mod lock_stats;
 mod reading;

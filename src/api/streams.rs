@@ -157,8 +157,29 @@ pub(super) fn add_table(
     catalog::stream_latest(stream).or_raise();
     let oid = tbl.oid();
     let name = sql::relation_name(oid);
-    // updates() and check_stream() read the table with the caller's
-    // privileges; registering it needs them too.
+    // SAFETY: the relation is open (pgrx opened the regclass argument with
+    // a lock); its form is valid while it is.
+    let (kind, owner) = unsafe { ((*tbl.rd_rel).relkind as u8, (*tbl.rd_rel).relowner) };
+    // streampos reads rows only of tables (a view's rules, a foreign
+    // table's wrapper are code).
+    if !sql::is_table_kind(kind) {
+        Error::NotATable {
+            relation: name,
+            kind: sql::relkind_name(kind).into(),
+        }
+        .report();
+    }
+    // updates() and check_stream() read the table as its owner (its
+    // policies, index expressions and constraints run as that role):
+    // registering it is for a role that may act as its owner.
+    if !sql::caller_acts_as(owner) {
+        Error::NotTableOwner {
+            table: name,
+            owner: sql::role_display_name(owner),
+            action: "streampos",
+        }
+        .report();
+    }
     // SAFETY: a catalog lookup; raises no error for an existing relation.
     let may_read = unsafe {
         pg_sys::pg_class_aclcheck(oid, current_role(), pg_sys::ACL_SELECT as pg_sys::AclMode)
@@ -167,12 +188,21 @@ pub(super) fn add_table(
         Error::NoSelect(name).report();
     }
     for column in std::iter::once(id_column).chain(instance_column) {
-        if sql::column_number(oid, column).is_none() {
-            Error::UnknownColumn {
+        match sql::column_type(oid, column) {
+            None => Error::UnknownColumn {
                 column: column.into(),
                 table: name.clone(),
             }
-            .report();
+            .report(),
+            // Compared and cast by internal SQL: only types whose casts
+            // and operators nobody but the bootstrap superuser wrote.
+            Some(t) if !sql::built_in_type(t) => Error::ColumnType {
+                column: column.into(),
+                table: name.clone(),
+                type_name: sql::type_name(t),
+            }
+            .report(),
+            Some(_) => {}
         }
     }
     sql::upsert_stream_table(stream, oid, id_column, instance_column);
@@ -197,13 +227,21 @@ fn set_writers(stream: &str, writers: Option<Array<'_, &str>>) {
 fn drop_stream(stream: &str) {
     let mut meta = catalog::stream_latest(stream).or_raise();
     // Wait for every transaction allocating from the stream's sequence to
-    // end; allocations after ours see the stream gone (sequence.rs).
-    sequence::lock_against_allocation(meta.seq);
+    // end; allocations after ours see the stream gone (sequence.rs). A
+    // sequence the stream owns is about to be dropped: ACCESS EXCLUSIVE
+    // now, rather than EXCLUSIVE and then a second wait (with writers
+    // queued behind it) for the drop. Every wait is bounded (55P03).
+    let mode = if meta.owns_sequence {
+        pg_sys::AccessExclusiveLock
+    } else {
+        pg_sys::ExclusiveLock
+    };
+    sequence::lock_against_allocation(meta.seq, mode as pg_sys::LOCKMODE, stream, "drop_stream");
     meta = catalog::stream_latest(stream).or_raise();
     catalog::mark_changed();
     sql::delete_stream(stream);
     if meta.owns_sequence {
-        sql::drop_owned_sequence(meta.seq);
+        sql::with_lock_wait_bound(|| sql::drop_owned_sequence(meta.seq, stream));
     }
     catalog::drop_at_commit(meta.key);
 }

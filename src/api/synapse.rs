@@ -4,8 +4,8 @@
 //! Every stream of Synapse's stream map (`sql/synapse_streams.tsv`, embedded
 //! here at build time) is registered with its existing sequence, direction
 //! and tables through `adopt_stream` and `add_table`, so with their
-//! privilege checks: the caller must own each sequence it adopts and may
-//! SELECT each table it registers. `instance_map` is imported keeping every
+//! privilege checks: the caller must own each sequence it adopts and act as
+//! the owner of each table it registers. `instance_map` is imported keeping every
 //! id (tokens clients hold name writers by those ids), `stream_positions`
 //! is imported without lowering anything, and `check_stream(…, repair =>
 //! true)` moves lagging sequences forward. The answer says, row by row,
@@ -23,8 +23,17 @@
 //! Refusals: 3F000 for a schema that does not exist, 42P01 when it lacks
 //! Synapse's `schema_version`, `instance_map` or `stream_positions` (or a
 //! column of them), 55000 when streampos's instance ids disagree with
-//! Synapse's, 42501 without USAGE on the schema, ownership of a sequence to
-//! adopt, or SELECT on a table to register or read.
+//! Synapse's, 42501 without USAGE on the schema, without the privileges of
+//! the owner of those three tables (they are read as their owner), or
+//! without SELECT on a table to register.
+//!
+//! Objects of the layout that another role owns (docs/design.md,
+//! "Untrusted objects") are skipped, with the reason in the answer, never
+//! registered: a sequence whose owner the caller cannot act as, or whose
+//! owner cannot act as the owner of Synapse's `instance_map`; a table whose
+//! owner the caller cannot act as, or whose owner cannot act as the owner
+//! of the stream's sequence (a repair moves the sequence up to the highest
+//! ID in the stream's tables).
 
 use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::pgrx_sql_entity_graph::metadata::{
@@ -156,6 +165,9 @@ fn is_table(kind: &str) -> bool {
 struct Synapse {
     schema: String,
     nsp: pg_sys::Oid,
+    /// The owner of `instance_map`: Synapse's role. A sequence of the
+    /// layout whose owner cannot act as it is not Synapse's.
+    owner: pg_sys::Oid,
     schema_version: pg_sys::Oid,
     instance_map: pg_sys::Oid,
     stream_positions: pg_sys::Oid,
@@ -216,9 +228,25 @@ impl Synapse {
             }
             .report();
         }
+        // They are read as their owner (sql::read_as_owner): an owner the
+        // caller cannot act as is refused before anything of theirs is
+        // read or planned (a look-alike planted by another role).
+        for &oid in &found {
+            if let Some(owner) = sql::relation_owner(oid) {
+                if !sql::caller_acts_as(owner) {
+                    Error::NotTableOwner {
+                        table: sql::relation_name(oid),
+                        owner: sql::role_display_name(owner),
+                        action: "adopt_synapse",
+                    }
+                    .report();
+                }
+            }
+        }
         Synapse {
             schema: schema.to_string(),
             nsp,
+            owner: sql::relation_owner(found[1]).unwrap_or(pg_sys::InvalidOid),
             schema_version: found[0],
             instance_map: found[1],
             stream_positions: found[2],
@@ -375,10 +403,26 @@ fn plan_stream<'m>(synapse: &Synapse, spec: &'m MapStream) -> Result<StreamPlan<
                 clip(&other)
             ));
         }
-        // adopt_stream's check, made before anything is written.
-        // SAFETY: a catalog lookup; raises no error for an existing relation.
-        if !unsafe { pg_sys::pg_class_ownercheck(seq, current_role()) } {
-            Error::NotOwner(format!("sequence {seq_name}")).report();
+        // adopt_stream's check (the caller owns the sequence, or acts as
+        // its owner), made before anything is written; and a sequence of
+        // the layout that another role planted (one an older Synapse
+        // lacks) is not Synapse's: its owner must be able to act as the
+        // owner of Synapse's instance_map. Either way the stream is
+        // skipped, never the whole call refused: a planted object must not
+        // stop the adoption of the others.
+        let owner = sql::relation_owner(seq).unwrap_or(pg_sys::InvalidOid);
+        if !sql::caller_acts_as(owner) {
+            return Err(format!(
+                "Sequence {seq_name} is owned by {}, a role you cannot act as: not adopted (adopting lets streampos move it).",
+                sql::role_display_name(owner)
+            ));
+        }
+        if !sql::role_acts_as(owner, synapse.owner) {
+            return Err(format!(
+                "Sequence {seq_name} is owned by {}, which cannot act as {}, the owner of Synapse's instance_map: not adopted.",
+                sql::role_display_name(owner),
+                sql::role_display_name(synapse.owner)
+            ));
         }
     }
 
@@ -439,6 +483,32 @@ fn plan_stream<'m>(synapse: &Synapse, spec: &'m MapStream) -> Result<StreamPlan<
                 ));
             }
             continue;
+        }
+        // A table of the layout that another role owns (one an older
+        // Synapse lacks, planted): never registered. streampos reads a
+        // stream's tables as their owner, so the caller must be able to act
+        // as it; and a repair moves the sequence up to the highest ID a
+        // table holds, so its owner must be able to move the sequence
+        // itself (act as the sequence's owner).
+        let Some(owner) = sql::relation_owner(oid) else {
+            continue;
+        };
+        if !sql::caller_acts_as(owner) {
+            left_out.push(format!(
+                "Table {name} is owned by {}, a role you cannot act as: not registered (streampos reads a stream's tables as their owner).",
+                sql::role_display_name(owner)
+            ));
+            continue;
+        }
+        if let Some(seq_owner) = sql::relation_owner(seq) {
+            if !sql::role_acts_as(owner, seq_owner) {
+                left_out.push(format!(
+                    "Table {name} is owned by {}, which cannot act as {}, the owner of sequence {seq_name}: not registered (a row of it would move the sequence further than its owner may).",
+                    sql::role_display_name(owner),
+                    sql::role_display_name(seq_owner)
+                ));
+                continue;
+            }
         }
         // add_table's check, made before anything is written.
         // SAFETY: a catalog lookup; raises no error for an existing relation.

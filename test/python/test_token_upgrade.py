@@ -128,7 +128,7 @@ def test_updated_catalog_is_a_fresh_install(scratch_db):
     upgraded = at_010(scratch_db())
     update(upgraded)
     fresh = scratch_db()
-    fresh.execute("CREATE EXTENSION streampos")
+    fresh.execute("CREATE EXTENSION streampos VERSION '0.2.0'")
     fresh.execute("SET search_path = public, streampos")
     got, want = catalog(upgraded), catalog(fresh)
     assert got[0] and got[1]

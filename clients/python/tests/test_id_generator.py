@@ -660,22 +660,52 @@ def test_writer_config_change(db, stream):
 
 def test_sequence_consistency(db, stream):
     """A row written without the stream's sequence: creating a writer's
-    generator moves the sequence past it (streampos.check_stream repair)."""
+    generator with repair=True (an operator's action) moves the sequence
+    past it (streampos.check_stream repair); by default it does not."""
     create_stream(db, stream, writers=["master"])
     insert_rows(db, stream, "master", 3)
     db.execute(f"INSERT INTO {stream}_rows VALUES (26, 'master')")
 
-    async def main():
-        reader = await generator(stream, "reader", repair=True)  # not a writer: checks nothing
+    async def lagging():
         async with await psycopg.AsyncConnection.connect(conninfo(), autocommit=True) as conn:
             cur = await conn.execute("SELECT ok FROM streampos.check_stream(%s)", (stream,))
-            assert False in [r[0] for r in await cur.fetchall()]
-        gen = await generator(stream)
+            return False in [r[0] for r in await cur.fetchall()]
+
+    async def main():
+        reader = await generator(stream, "reader", repair=True)  # not a writer: checks nothing
+        assert await lagging()
+        default = await generator(stream)  # a writer, without the operator's repair
+        assert await lagging()
+        gen = await generator(stream, repair=True)
         async with gen.get_next() as stream_id:
             assert stream_id == 27
-        await close_all(reader, gen)
+        await close_all(reader, default, gen)
 
     run(main())
+
+
+def test_the_start_up_repair_is_not_a_default(db, stream):
+    """A writer's generator created with the defaults, sync or async, does
+    not repair: a repair reads every table of the stream and moves the
+    sequence as far as any of them says, which is an operator's decision
+    (a planted row of 10^12 moved it there when it was the default)."""
+    create_stream(db, stream, writers=["master"])
+    insert_rows(db, stream, "master", 2)
+    db.execute(f"INSERT INTO {stream}_rows VALUES (1000000000000, 'master')")
+
+    async def main():
+        gen = await generator(stream)
+        async with gen.get_next() as stream_id:
+            assert stream_id == 3
+        await close_all(gen)
+
+    run(main())
+    sync = SyncMultiWriterIdGenerator(conninfo(), stream_name=stream, instance_name="master")
+    with sync.get_next() as stream_id:
+        assert stream_id == 4
+    sync.close()
+    checks = {name: ok for name, ok, _ in db.execute("SELECT * FROM streampos.check_stream(%s)", (stream,))}
+    assert checks[f"table public.{stream}_rows"] is False, checks
 
 
 def test_minimal_local_token(db, stream):

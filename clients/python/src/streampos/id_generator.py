@@ -396,7 +396,7 @@ class MultiWriterIdGenerator(_Base):
         instance_name: str,
         writers: Optional[Sequence[str]] = None,
         positive: Optional[bool] = None,
-        repair: bool = True,
+        repair: bool = False,
         connect: Optional[Callable[[], Awaitable[psycopg.AsyncConnection]]] = None,
         max_idle_connections: int = 4,
         **connect_kwargs: Any,
@@ -415,7 +415,11 @@ class MultiWriterIdGenerator(_Base):
         ``repair``: when this instance may write, move the sequence past
         the highest ID in the stream's tables first
         (``streampos.check_stream(…, repair => true)``), as Synapse checks
-        its sequences at start-up.
+        its sequences at start-up. Off by default: a repair is an
+        operator's action (after a restore, or rows written without the
+        sequence), not something every start of a writer does: it reads
+        every table of the stream, and moves the sequence as far as any of
+        them says.
         ``max_idle_connections`` bounds the connections kept for
         ``get_next`` contexts (more are opened while more are open at once).
         """
@@ -679,7 +683,7 @@ class SyncMultiWriterIdGenerator(_Base):
 
     def __init__(self, conninfo: str = "", *, stream_name: str, instance_name: str,
                  writers: Optional[Sequence[str]] = None, positive: Optional[bool] = None,
-                 repair: bool = True, connect: Optional[Callable[[], psycopg.Connection]] = None,
+                 repair: bool = False, connect: Optional[Callable[[], psycopg.Connection]] = None,
                  max_idle_connections: int = 4, **connect_kwargs: Any) -> None:
         super().__init__(stream_name, instance_name)
         self._conninfo = conninfo
