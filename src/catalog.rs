@@ -91,6 +91,10 @@ thread_local! {
     /// dropped them: marked dropped in the registry when it commits.
     static PENDING_DROPS: RefCell<Vec<(i32, pg_sys::SubTransactionId)>> =
         const { RefCell::new(Vec::new()) };
+    /// Instances this transaction created, with the subtransaction that
+    /// created them: a rollback of that subtransaction takes them back.
+    static CREATED: RefCell<Vec<(i32, pg_sys::SubTransactionId)>> =
+        const { RefCell::new(Vec::new()) };
 }
 
 // ------------------------------------------------------- the shared state
@@ -233,6 +237,7 @@ pub fn end_transaction(committed: bool) {
     }
     // Truncating keeps the allocation: nothing is freed here.
     PENDING_DROPS.with(|p| p.borrow_mut().truncate(0));
+    CREATED.with(|c| c.borrow_mut().truncate(0));
     if xid == 0 {
         return;
     }
@@ -273,6 +278,25 @@ pub fn end_subtransaction(
             }
         } else {
             drops.retain(|d| d.1 < subxact);
+        }
+    });
+    CREATED.with(|c| {
+        let mut created = c.borrow_mut();
+        if committed {
+            for e in created.iter_mut() {
+                if e.1 >= subxact {
+                    e.1 = parent;
+                }
+            }
+        } else {
+            // Taken back: one id at a time (the callback must not
+            // allocate), then forgotten.
+            for &(id, sub) in created.iter() {
+                if sub >= subxact {
+                    registry::mark_ghosts(&[id]);
+                }
+            }
+            created.retain(|e| e.1 < subxact);
         }
     });
     if !committed {
@@ -415,10 +439,15 @@ pub fn instance_id(name: &str) -> Result<i32, Error> {
     validate_instance_name(name)?;
     let created = sql::insert_instance(name);
     if let Some(id) = created {
-        // A savepoint rolled back may have taken the name's earlier id with
-        // it while this transaction still holds IDs under that id: they are
-        // the name's, and hold it back under its new id.
-        crate::registry::rename_own_entries(name, id)?;
+        // SAFETY: reads the current subtransaction id.
+        let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
+        CREATED.with(|c| c.borrow_mut().push((id, subxact)));
+        // A rolled-back savepoint may have taken the name's earlier id
+        // with it while a transaction (or a hold) still has IDs under that
+        // id: they are the name's, and hold it back under its new id.
+        if crate::registry::is_loaded() {
+            crate::registry::rename_entries(name, id)?;
+        }
     }
     let id = created.or_else(|| sql::instance_id_of(name));
     match id {

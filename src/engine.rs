@@ -12,7 +12,7 @@ use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
 use crate::fast_hash::FastMap;
 use crate::registry;
-use crate::registry::history::{self, LostRange};
+use crate::registry::history::{self, LostRange, LostRanges};
 use crate::{guc, sequence, sql, worker};
 
 /// Most IDs one call may allocate.
@@ -42,42 +42,60 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
         .into_iter()
         .map(|(id, _)| id)
         .collect();
-    let lost = lost_range_at_load(meta, max);
+    let lost = lost_ranges_at_load(meta, max);
     // While nothing was allocated in this history, the highest ID it has
     // is `have`: no position of this server ever falls in the lost range.
-    let highest = match lost {
+    let highest = match lost.current {
         Some((range, _)) if max <= range.ceiling => range.have.min(max),
         _ => max,
     };
     // False: the state went to another stream meanwhile, which only
     // happens to a dropped stream's state (looking again would take a
     // state for a stream that is gone).
-    if !registry::set_loaded(index, meta.key, meta.seq, highest, &stored, lost).or_raise() {
+    if !registry::set_loaded(index, meta.key, meta.seq, highest, &stored, &lost).or_raise() {
         dropped_concurrently(meta)
     }
     index
 }
 
-/// The stream's lost range in the current history (registry/history.rs),
-/// from its mark, or (first use in this history) from the sequence's value
-/// `max` and the highest ID this server has at or below it: a row, a
-/// stored position or a stored frontier. With whether the mark is stored.
-fn lost_range_at_load(meta: &StreamMeta, max: i64) -> Option<(LostRange, bool)> {
+/// The stream's lost ranges (registry/history.rs): the marks of every
+/// history in this server's past (they replicate), and the current
+/// history's, from its mark or (first use in this history) from the
+/// sequence's value `max` and the highest ID this server has at or below
+/// it: a row, a stored position or a stored frontier.
+fn lost_ranges_at_load(meta: &StreamMeta, max: i64) -> LostRanges {
     let history = history::current().or_raise();
-    if history == 0 {
-        return None;
+    let mut lost = LostRanges::default();
+    for (h, have, ceiling) in sql::history_marks(&meta.name) {
+        if h == history && history != 0 {
+            lost.current = Some((LostRange { have, ceiling }, true));
+        } else {
+            lost.ranges.push(LostRange { have, ceiling });
+        }
     }
-    if let Some((have, ceiling)) = sql::history_mark(history, &meta.name) {
-        return Some((LostRange { have, ceiling }, true));
+    if history != 0 && lost.current.is_none() {
+        lost.current = Some((
+            LostRange {
+                have: have_at_most(meta, max),
+                ceiling: max,
+            },
+            false,
+        ));
     }
-    let have = sql::stream_tables(&meta.name)
+    lost
+}
+
+/// The highest ID at or below `at_most` that this server has for the
+/// stream: a row of its tables (read as their owners) or a stored position
+/// or frontier.
+fn have_at_most(meta: &StreamMeta, at_most: i64) -> i64 {
+    sql::stream_tables(&meta.name)
         .iter()
-        .filter_map(|t| sql::table_max_id_at_most(t, max))
-        .chain(sql::max_stored_at_most(&meta.name, max))
+        .filter_map(|t| sql::table_max_id_at_most(t, at_most))
+        .chain(sql::max_stored_at_most(&meta.name, at_most))
         .max()
         .unwrap_or(0)
-        .clamp(0, max);
-    Some((LostRange { have, ceiling: max }, false))
+        .clamp(0, at_most)
 }
 
 thread_local! {
@@ -97,12 +115,13 @@ fn record_history_mark(meta: &StreamMeta) {
     if history == 0 || KNOWN_MARKED.with(|k| k.borrow().contains(&(meta.key, meta.seq))) {
         return;
     }
-    let Some((range, unrecorded)) =
-        with_index(meta, |index| history::lost_range(index, meta.key, meta.seq))
-    else {
+    let lost = with_index(meta, |index| {
+        history::lost_ranges(index, meta.key, meta.seq)
+    });
+    let Some((range, recorded)) = lost.current else {
         return;
     };
-    if unrecorded {
+    if !recorded {
         sql::insert_history_mark(history, &meta.name, range.have, range.ceiling);
         MARKED.with(|m| m.borrow_mut().push(meta.key));
     } else {
@@ -112,16 +131,23 @@ fn record_history_mark(meta: &StreamMeta) {
     }
 }
 
-/// A new stream (created or adopted in this history) has nothing another
-/// history handed out: its mark says so.
-pub fn mark_new_stream(stream: &str, seq: pg_sys::Oid) {
-    // Without the registry (not preloaded) there is no history to mark.
-    let history = history::current().unwrap_or(0);
-    if history == 0 {
+/// A table was added to a stream: if the stream's mark in the current
+/// history is not stored yet (nothing was allocated in it), what this
+/// server has may now reach further (an adopted stream's tables are
+/// registered after its first use).
+pub fn table_added(meta: &StreamMeta) {
+    if history::current().unwrap_or(0) == 0 {
         return;
     }
-    let value = sequence::max_allocated(seq).max(0);
-    sql::insert_history_mark(history, stream, value, value);
+    let lost = with_index(meta, |index| {
+        history::lost_ranges(index, meta.key, meta.seq)
+    });
+    if let Some((range, false)) = lost.current {
+        let have = have_at_most(meta, range.ceiling);
+        with_index(meta, |index| {
+            history::raise_have(index, meta.key, meta.seq, have)
+        });
+    }
 }
 
 /// The commit (or abort) callback: marks stored by the transaction are now
@@ -705,9 +731,15 @@ pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
     if in_recovery() || unsafe { (*snapshot).takenDuringRecovery } {
         return standby_answer(meta);
     }
-    Answer::resolve(with_index(meta, |index| {
+    let view = with_index(meta, |index| {
         registry::view(index, meta.key, meta.seq, snapshot)
-    }))
+    });
+    if view.orphans {
+        // Only the position worker releases orphaned holds; it may have
+        // left (idle, or gone) with no allocation since to start it again.
+        worker::ensure_running();
+    }
+    Answer::resolve(view)
 }
 
 /// A hot standby cannot see what is in flight on the primary (and its

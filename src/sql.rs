@@ -176,7 +176,36 @@ fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
 /// Run `f` as the extension's owner, in a security-restricted operation,
 /// for writes to the catalog tables.
 fn as_owner<T>(f: impl FnOnce() -> T) -> T {
+    let _writing = ExtensionWrite::begin();
     as_role(extension_owner(), f)
+}
+
+thread_local! {
+    static EXTENSION_WRITES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// The extension itself is writing its catalog (as its owner), whatever
+/// process runs it: its own writes are never taken for rows a logical
+/// replication subscription brings (see `catalog_rows_stay_local`).
+struct ExtensionWrite;
+
+impl ExtensionWrite {
+    fn begin() -> ExtensionWrite {
+        EXTENSION_WRITES.with(|w| w.set(w.get() + 1));
+        ExtensionWrite
+    }
+}
+
+impl Drop for ExtensionWrite {
+    // Also on an ERROR, which unwinds through here.
+    fn drop(&mut self) {
+        EXTENSION_WRITES.with(|w| w.set(w.get().saturating_sub(1)));
+    }
+}
+
+/// Is the extension writing its catalog right now (`as_owner`)?
+pub fn extension_writing() -> bool {
+    EXTENSION_WRITES.with(|w| w.get() > 0)
 }
 
 /// The first column of the first row, or None for no rows (pgrx's `first()`
@@ -705,16 +734,19 @@ pub fn max_stored_at_most(stream: &str, at_most: i64) -> Option<i64> {
     )
 }
 
-/// The stream's mark in history `history`: (have, ceiling).
-pub fn history_mark(history: u64, stream: &str) -> Option<(i64, i64)> {
+/// The stream's marks, of every history: (history, have, ceiling).
+pub fn history_marks(stream: &str) -> Vec<(u64, i64, i64)> {
     select_all(
-        "SELECT m.have, m.ceiling FROM streampos.history_marks m \
-         WHERE m.history OPERATOR(pg_catalog.=) $1 AND m.stream_name OPERATOR(pg_catalog.=) $2",
-        &[(history as i64).into(), stream.into()],
-        |r| Ok(r.get::<i64>(1)?.zip(r.get::<i64>(2)?)),
+        "SELECT m.history, m.have, m.ceiling FROM streampos.history_marks m \
+         WHERE m.stream_name OPERATOR(pg_catalog.=) $1",
+        &[stream.into()],
+        |r| {
+            Ok(r.get::<i64>(1)?
+                .zip(r.get::<i64>(2)?)
+                .zip(r.get::<i64>(3)?)
+                .map(|((h, have), ceiling)| (h as u64, have, ceiling)))
+        },
     )
-    .into_iter()
-    .next()
 }
 
 /// Store a stream's mark in history `history`, as the extension's owner;

@@ -91,19 +91,19 @@ fn refuse_ahead(
 /// wrongly). Checked for every position a token carries (its minimum and
 /// each writer's) and for a `wait_for` target.
 fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i64>) {
-    let Some((range, _)) =
-        engine::with_index(meta, |index| history::lost_range(index, meta.key, meta.seq))
-    else {
-        return;
-    };
-    if let Some(position) = positions.into_iter().find(|&p| range.contains(p)) {
-        Error::LostHistory {
-            stream: meta.name.as_str().into(),
-            position,
-            have: range.have,
-            ceiling: range.ceiling,
+    let lost = engine::with_index(meta, |index| {
+        history::lost_ranges(index, meta.key, meta.seq)
+    });
+    for position in positions {
+        if let Some(range) = lost.range_of(position) {
+            Error::LostHistory {
+                stream: meta.name.as_str().into(),
+                position,
+                have: range.have,
+                ceiling: range.ceiling,
+            }
+            .report();
         }
-        .report();
     }
 }
 

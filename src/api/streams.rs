@@ -98,7 +98,6 @@ fn create_stream(
     // other writers, and repair it.
     let seq = sql::create_sequence(&format!("{stream}_seq"), current_role());
     sql::insert_stream(stream, seq, true, backwards, writers);
-    engine::mark_new_stream(stream, seq);
     catalog::mark_changed();
     RegClass(seq)
 }
@@ -143,7 +142,6 @@ pub(super) fn adopt_stream(
     }
     let writers = ensure_writer_instances(&writers);
     sql::insert_stream(stream, oid, false, backwards, writers);
-    engine::mark_new_stream(stream, oid);
     catalog::mark_changed();
 }
 
@@ -207,6 +205,7 @@ pub(super) fn add_table(
     }
     sql::upsert_stream_table(stream, oid, id_column, instance_column);
     catalog::mark_changed();
+    engine::table_added(&catalog::stream_latest(stream).or_raise());
 }
 
 #[pg_extern(volatile, parallel_unsafe)]
@@ -214,6 +213,20 @@ fn set_writers(stream: &str, writers: Option<Array<'_, &str>>) {
     let meta = catalog::stream_latest(stream).or_raise();
     let writers = ensure_writer_instances(&writers);
     sql::set_stream_writers(stream, writers.clone());
+    if let (None, Some(listed)) = (&writers, &meta.writers) {
+        // Opened to any writer: its tokens go on listing the writers they
+        // listed (an open stream's tokens list the writers it remembers),
+        // or those writers' positions would go back.
+        if crate::registry::is_loaded() {
+            let ids: Vec<i32> = listed
+                .iter()
+                .filter_map(|n| catalog::lookup_instance_id(n))
+                .collect();
+            engine::with_index(&meta, |index| {
+                crate::registry::remember_writers(index, meta.key, meta.seq, &ids)
+            });
+        }
+    }
     if let Some(writers) = writers {
         // A removed writer loses its stored position; a new one starts at the
         // frontier (never ahead of the truth).
@@ -267,8 +280,10 @@ fn instance_name(instance_id: i32) -> String {
 fn catalog_rows_stay_local<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, Error> {
+    // Rows the worker applies, not the extension's own writes (a trigger of
+    // the subscriber's that the apply worker fires may allocate).
     // SAFETY: reads whether this process is a logical replication worker.
-    if unsafe { pg_sys::IsLogicalWorker() } {
+    if unsafe { pg_sys::IsLogicalWorker() } && !sql::extension_writing() {
         return Ok(None);
     }
     Ok(trigger.new().or_else(|| trigger.old()))

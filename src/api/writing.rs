@@ -32,6 +32,14 @@ fn hold_ids(stream: &str, writer: &str, n: default!(i32, 1)) -> Vec<i64> {
 /// the calling transaction (a reader passes them only in a snapshot that
 /// sees that commit); if it aborts, the hold goes on.
 #[pg_extern(volatile, strict, parallel_unsafe)]
-fn release_ids(stream: &str, ids: Vec<i64>) {
+fn release_ids(stream: &str, ids: Array<'_, i64>) {
+    // A hold has at most as many IDs as one call allocates: anything longer
+    // is no hold, and is not copied.
+    if ids.len() > engine::MAX_IDS_PER_CALL as usize {
+        crate::error::Error::invalid("no hold has that many IDs").report()
+    }
+    let Some(ids) = ids.iter().collect::<Option<Vec<i64>>>() else {
+        crate::error::Error::invalid("the IDs to release must not contain NULL").report()
+    };
     engine::release(stream, &ids)
 }

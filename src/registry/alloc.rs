@@ -90,6 +90,7 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
         release_subxact: 0,
         shadow: false,
         orphan_epoch: 0,
+        ghost: false,
         name: [0; NAME_BYTES],
     };
     let len = instance_name.len().min(NAME_BYTES - 1);
@@ -148,17 +149,15 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
     // writers its tokens list; on a stream open to any writer, one it
     // would have to forget is refused (a configured stream's tokens list
     // its configured writers instead).
-    let s = &mut locked.streams()[stream];
+    let s = &locked.streams()[stream];
     if !s.has_seen(instance) {
-        if (s.n_seen + s.seen_reserved) as usize >= SEEN_WRITERS {
-            if open_stream {
-                return Err(Error::TooManyWriters {
-                    limit: SEEN_WRITERS,
-                });
-            }
-        } else {
-            s.seen_reserved += 1;
+        let (reserved, mine) = reserved_writers(&locked, stream_i32, instance);
+        if mine || (s.n_seen as usize) + reserved < SEEN_WRITERS {
             entry.reserved_seen = true;
+        } else if open_stream {
+            return Err(Error::TooManyWriters {
+                limit: SEEN_WRITERS,
+            });
         }
     }
     entry.min_id = lower_bound;
@@ -185,6 +184,55 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
         hold,
         lower_bound,
     }))
+}
+
+/// The writers that entries in flight (transactions' and holds) have
+/// reserved a place for among `stream`'s, counted once each: their commit
+/// always finds room. With whether `instance` is one of them. (A new
+/// writer's allocation is rare: the scan of the active slots is too.)
+fn reserved_writers(locked: &Locked, stream: i32, instance: i32) -> (usize, bool) {
+    let mut writers: Vec<i32> = Vec::new();
+    for &slot in locked.active_slots() {
+        let slot = slot as usize;
+        for a in locked
+            .entries_in_use(slot)
+            .iter()
+            .chain(locked.holds_in_use(slot).iter())
+        {
+            if a.stream == stream && a.reserved_seen && !writers.contains(&a.instance) {
+                writers.push(a.instance);
+            }
+        }
+    }
+    let mine = writers.contains(&instance);
+    (writers.len(), mine)
+}
+
+/// Remember `ids` among `stream`'s writers (a stream opened to any writer
+/// keeps listing the writers it listed); 54000 when they do not all fit.
+pub fn remember_writers(
+    stream: usize,
+    key: i32,
+    seq: pg_sys::Oid,
+    ids: &[i32],
+) -> Result<Result<(), Stale>, Error> {
+    let locked = Locked::acquire(Section::OtherExclusive)?;
+    if !matches(&locked.streams()[stream], key, seq) {
+        return Ok(Err(Stale));
+    }
+    let s = &locked.streams()[stream];
+    let new: Vec<i32> = ids.iter().copied().filter(|&w| !s.has_seen(w)).collect();
+    let (reserved, _) = reserved_writers(&locked, stream as i32, 0);
+    if s.n_seen as usize + reserved + new.len() > SEEN_WRITERS {
+        return Err(Error::TooManyWriters {
+            limit: SEEN_WRITERS,
+        });
+    }
+    let s = &mut locked.streams()[stream];
+    for w in new {
+        s.add_seen(w);
+    }
+    Ok(Ok(()))
 }
 
 /// Step 2: the sequence handed out `ids` (internal, positive numbering).
@@ -282,88 +330,140 @@ pub fn release_hold(
     subxact: pg_sys::SubTransactionId,
 ) -> Result<Result<bool, Stale>, Error> {
     let slot_index = shmem::my_slot_index()?;
-    // Only adds an entry, in the order readers rely on (see
-    // `Section::moves_entries`): the shadow holds as much as the hold.
-    let locked = Locked::acquire(Section::BeginAllocation)?;
-    if !matches(&locked.streams()[stream], key, seq) {
-        return Ok(Err(Stale));
-    }
     let (first, last, count) = ids;
-    let Some(k) = locked.holds_in_use(slot_index).iter().position(|a| {
+    let is_it = |a: &Active| {
         a.stream == stream as i32
             && !a.pending
             && !a.releasing
             && a.min_id == first
             && a.max_id == last
             && a.count == count
-    }) else {
+    };
+    // Its IDs durable first (already so but for a hold taken a moment
+    // ago): the shadow then needs no WAL position, and one shadow per
+    // (stream, writer) stands for every hold the transaction releases.
+    // SAFETY: the registry is loaded and the slot is this backend's own.
+    let Some(lsn) = (unsafe { shmem::own_holds_unlocked(slot_index) })
+        .iter()
+        .find(|a| is_it(a))
+        .map(|a| a.lsn)
+    else {
         return Ok(Ok(false));
     };
-    let i = locked.slot_headers()[slot_index].used as usize;
-    if i >= locked.slot(slot_index).len() {
-        return Err(Error::RegistryFull {
-            what: "entry for this transaction",
-            guc: "streampos.max_streams_per_transaction",
-        });
+    wait_until_durable(lsn);
+    // Only adds an entry or lowers a shadow's first ID, while the hold it
+    // stands for still holds as much (see `Section::moves_entries`).
+    let locked = Locked::acquire(Section::BeginAllocation)?;
+    if !matches(&locked.streams()[stream], key, seq) {
+        return Ok(Err(Stale));
+    }
+    let Some(k) = locked.holds_in_use(slot_index).iter().position(is_it) else {
+        return Ok(Ok(false));
+    };
+    let hold = locked.holds_in_use(slot_index)[k];
+    let used = locked.slot_headers()[slot_index].used as usize;
+    let existing = locked.slot(slot_index)[..used]
+        .iter()
+        .position(|a| a.shadow && a.stream == hold.stream && a.instance == hold.instance);
+    match existing {
+        Some(i) => {
+            let shadow = &mut locked.slot(slot_index)[i];
+            let lowest = shadow.min_id.min(hold.min_id);
+            shmem::publish(&mut shadow.min_id, lowest);
+            shadow.max_id = shadow.max_id.max(hold.max_id);
+            shadow.count += hold.count;
+        }
+        None => {
+            if used >= locked.slot(slot_index).len() {
+                return Err(Error::RegistryFull {
+                    what: "entry for this transaction",
+                    guc: "streampos.max_streams_per_transaction",
+                });
+            }
+            locked.slot(slot_index)[used] = Active {
+                xid,
+                shadow: true,
+                reserved_seen: false,
+                releasing: false,
+                confirmed: false,
+                lsn: 0,
+                durable_from: i64::MAX,
+                ..hold
+            };
+            let header = &mut locked.slot_headers()[slot_index];
+            shmem::publish(&mut header.used, used as u32 + 1);
+        }
     }
     let hold = &mut locked.holds_in_use(slot_index)[k];
     hold.releasing = true;
     hold.release_subxact = subxact;
-    let shadow = Active {
-        xid,
-        shadow: true,
-        reserved_seen: false,
-        releasing: false,
-        ..*hold
-    };
-    locked.slot(slot_index)[i] = shadow;
     // SAFETY: backend-local flag.
     unsafe { HOLDING = true };
-    let header = &mut locked.slot_headers()[slot_index];
-    shmem::publish(&mut header.used, i as u32 + 1);
     // The slot is active already: it has the hold.
     Ok(Ok(true))
 }
 
-/// This transaction created the instance `name` with id `id`: its entries
-/// (and holds) under the name's earlier id, which a rolled-back savepoint
-/// took back, are the name's under `id`. Readers see one id or the other;
-/// the new id was not reported before (its name is not committed, and it
-/// had no entry).
-pub fn rename_own_entries(name: &str, id: i32) -> Result<(), Error> {
-    if !holding() {
-        return Ok(());
-    }
-    let slot_index = shmem::my_slot_index()?;
+/// The instance `name` was just created with id `id` (by this transaction,
+/// not yet committed). Entries and holds of any session that still carry
+/// an earlier id of the name, which a rolled-back savepoint took back, are
+/// the name's, and hold it back under `id`: the name has no other id (its
+/// earlier one is gone, and while a transaction that created it runs,
+/// nobody else can create it). Readers see one id or the other; `id` was
+/// reported by nobody before (its name is not committed, and it had no
+/// entry). Rare: only when a new name is created.
+pub fn rename_entries(name: &str, id: i32) -> Result<(), Error> {
+    super::require_loaded()?;
+    let len = name.len().min(NAME_BYTES - 1);
     let named = |a: &Active| {
-        let len = name.len().min(NAME_BYTES - 1);
         a.instance != id
             && a.instance != ALL_WRITERS
             && a.name[..len] == name.as_bytes()[..len]
             && a.name[len] == 0
     };
-    // SAFETY: the registry is loaded and the slot is this backend's own.
-    let any = unsafe {
-        shmem::own_slot_unlocked(slot_index)[..]
-            .iter()
-            .chain(shmem::own_holds_unlocked(slot_index))
-            .any(|a| a.stream >= 0 && named(a))
-    };
-    if !any {
-        return Ok(());
-    }
     // Rewrites a field readers read whole: no entry moves.
     let locked = Locked::acquire(Section::BeginAllocation)?;
-    let used = locked.slot_headers()[slot_index].used as usize;
-    for a in locked.slot(slot_index)[..used]
-        .iter_mut()
-        .chain(locked.holds_in_use(slot_index).iter_mut())
-    {
-        if named(a) {
-            shmem::publish(&mut a.instance, id);
+    for &slot in locked.active_slots() {
+        let slot = slot as usize;
+        for a in locked
+            .entries_in_use(slot)
+            .iter_mut()
+            .chain(locked.holds_in_use(slot).iter_mut())
+        {
+            if named(a) {
+                shmem::publish(&mut a.instance, id);
+                a.ghost = false;
+            }
         }
     }
     Ok(())
+}
+
+/// A rolled-back savepoint took back the instances `ids` it created: this
+/// backend's entries and holds under them are under dead ids (see
+/// `Active::ghost`). From the subtransaction abort callback: no error.
+pub fn mark_ghosts(ids: &[i32]) {
+    // SAFETY: HEADER checked non-null; the slot is this backend's own; a
+    // flag readers never read is set under the lock.
+    unsafe {
+        if ids.is_empty() || !HOLDING || HEADER.is_null() {
+            return;
+        }
+        let procno = (*pg_sys::MyProc).pgprocno;
+        if procno < 0 || procno as u32 >= (*HEADER).n_slots {
+            return;
+        }
+        let slot = procno as usize;
+        let locked = Locked::acquire_raw(HEADER, Section::BeginAllocation);
+        for a in locked
+            .entries_in_use(slot)
+            .iter_mut()
+            .chain(locked.holds_in_use(slot).iter_mut())
+        {
+            if ids.contains(&a.instance) {
+                a.ghost = true;
+            }
+        }
+    }
 }
 
 /// A subtransaction ended: releases made in it go with an abort, or belong
@@ -559,10 +659,7 @@ fn push_finished(locked: &Locked, a: &Active, committed: bool, stamp: Transactio
 /// was reserved when the entry was created, or the writer was remembered
 /// then, and stays so).
 fn settle_seen(s: &mut StreamState, a: &Active, committed: bool) {
-    if a.reserved_seen {
-        s.seen_reserved = s.seen_reserved.saturating_sub(1);
-    }
-    if committed && a.instance != ALL_WRITERS {
+    if committed && a.instance != ALL_WRITERS && !a.ghost {
         s.add_seen(a.instance);
     }
 }

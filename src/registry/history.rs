@@ -22,7 +22,7 @@ use std::io::Write;
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, Section, HEADER};
+use super::shmem::{Locked, Lost, Section, HEADER, LOST_RANGES};
 use super::streams::{matches, Stale};
 use crate::error::Error;
 
@@ -54,9 +54,15 @@ pub(super) fn at_start() -> Option<(u64, bool)> {
             None => return None,
         }
     };
-    // Without the file, a later start could not tell the history apart:
-    // a start that cannot record it carries on, as PostgreSQL would.
-    let _ = write(id, recovering);
+    // Without the file a later start cannot tell the history apart: say
+    // so. Marks stored meanwhile (a stream's first allocation in the
+    // history stores its mark) are honoured whatever the file says.
+    if let Err(e) = write(id, recovering) {
+        pgrx::warning!(
+            "streampos could not record the server's history in {FILE}: {e}; lost ranges \
+             not yet stored in streampos.history_marks are forgotten at the next restart"
+        );
+    }
     Some((id, recovering))
 }
 
@@ -103,7 +109,7 @@ pub fn current() -> Result<u64, Error> {
     Ok(id)
 }
 
-/// A stream's lost range in the current history: IDs in (have, ceiling].
+/// One lost range: IDs in (have, ceiling].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LostRange {
     pub have: i64,
@@ -111,30 +117,108 @@ pub struct LostRange {
 }
 
 impl LostRange {
-    /// Does a follower's `position` lie where this server has nothing?
     pub fn contains(&self, position: i64) -> bool {
         position > self.have && position <= self.ceiling
     }
 }
 
-/// The stream's range, and whether its mark still has to be stored.
-pub fn lost_range(
+/// A stream's lost ranges: the marks of earlier histories in its past, and
+/// the current history's (see `Lost`).
+#[derive(Clone, Debug, Default)]
+pub struct LostRanges {
+    /// Earlier histories' (or, loaded back, every range).
+    pub ranges: Vec<LostRange>,
+    /// The current history's range, and whether its mark is stored.
+    pub current: Option<(LostRange, bool)>,
+}
+
+impl LostRanges {
+    /// The range a follower's `position` lies in, where this server has
+    /// nothing.
+    pub fn range_of(&self, position: i64) -> Option<LostRange> {
+        self.ranges
+            .iter()
+            .chain(self.current.iter().map(|(r, _)| r))
+            .find(|r| r.contains(position))
+            .copied()
+    }
+
+    /// Into shared memory: lowest first, merged down to `LOST_RANGES`.
+    pub(super) fn store(&self, lost: &mut Lost) {
+        let mut ranges: Vec<(i64, i64)> = self
+            .ranges
+            .iter()
+            .filter(|r| r.ceiling > r.have)
+            .map(|r| (r.have, r.ceiling))
+            .collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        while ranges.len() > LOST_RANGES {
+            let (a, b) = (ranges[0], ranges[1]);
+            ranges[1] = (a.0.min(b.0), a.1.max(b.1));
+            ranges.remove(0);
+        }
+        lost.n = ranges.len() as u32;
+        lost.ranges[..ranges.len()].copy_from_slice(&ranges);
+        lost.mark = self.current.map(|(r, _)| (r.have, r.ceiling));
+        lost.recorded = self.current.is_none_or(|(_, recorded)| recorded);
+    }
+
+    fn load(lost: &Lost) -> LostRanges {
+        let n = (lost.n as usize).min(LOST_RANGES);
+        LostRanges {
+            ranges: lost.ranges[..n]
+                .iter()
+                .map(|&(have, ceiling)| LostRange { have, ceiling })
+                .collect(),
+            current: lost
+                .mark
+                .map(|(have, ceiling)| (LostRange { have, ceiling }, lost.recorded)),
+        }
+    }
+}
+
+/// The stream's lost ranges (with the current history's mark, and whether
+/// it is stored).
+pub fn lost_ranges(
     stream: usize,
     key: i32,
     seq: pg_sys::Oid,
-) -> Result<Result<Option<(LostRange, bool)>, Stale>, Error> {
+) -> Result<Result<LostRanges, Stale>, Error> {
     let locked = Locked::acquire(Section::OtherShared)?;
     let s = &locked.streams()[stream];
     if !matches(s, key, seq) {
         return Ok(Err(Stale));
     }
-    Ok(Ok(s.lost.valid.then_some((
-        LostRange {
-            have: s.lost.have,
-            ceiling: s.lost.ceiling,
-        },
-        !s.lost.recorded,
-    ))))
+    Ok(Ok(LostRanges::load(&s.lost)))
+}
+
+/// A table added to a stream whose current mark is not stored yet: the
+/// stream may have rows this server has after all (it was adopted after
+/// the history began, its tables registered after its first use): raise
+/// the mark's `have` to `have`, and the highest ID reported with it.
+pub fn raise_have(
+    stream: usize,
+    key: i32,
+    seq: pg_sys::Oid,
+    have: i64,
+) -> Result<Result<(), Stale>, Error> {
+    let locked = Locked::acquire(Section::OtherExclusive)?;
+    let s = &mut locked.streams()[stream];
+    if !matches(s, key, seq) {
+        return Ok(Err(Stale));
+    }
+    if let (Some((old, ceiling)), false) = (s.lost.mark, s.lost.recorded) {
+        let new = have.min(ceiling);
+        if new > old {
+            s.lost.mark = Some((new, ceiling));
+            if s.max_allocated == old {
+                s.max_allocated = new;
+                s.generation += 1;
+            }
+        }
+    }
+    Ok(Ok(()))
 }
 
 /// The marks of these streams (keys) are stored: called from the commit

@@ -30,7 +30,8 @@ mod workers;
 
 pub use alloc::{
     begin_allocation, end_subtransaction, end_transaction, finish_allocation, flush_before_commit,
-    holding, in_flight, orphans_of, release_hold, release_orphans, rename_own_entries, Request,
+    holding, in_flight, mark_ghosts, orphans_of, release_hold, release_orphans, remember_writers,
+    rename_entries, Request,
 };
 pub use shmem::{
     catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,

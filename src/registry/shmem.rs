@@ -209,9 +209,6 @@ pub(super) struct StreamState {
     /// `n_seen`.
     pub n_seen: u32,
     pub seen: [i32; SEEN_WRITERS],
-    /// Places in `seen` promised to transactions in flight whose writer is
-    /// not in it yet (`begin_allocation`): their commit always finds room.
-    pub seen_reserved: u32,
     /// Holds of sessions that ended without releasing them.
     pub orphans: Orphans,
     /// What of the stream's IDs another history may have handed out (see
@@ -219,14 +216,23 @@ pub(super) struct StreamState {
     pub lost: Lost,
 }
 
-/// A stream's lost range in the current history: IDs in (have, ceiling]
-/// may have been handed out by a history this server lost.
+/// Lost ranges a stream keeps (see `Lost`).
+pub const LOST_RANGES: usize = 8;
+
+/// What of a stream's IDs histories this server lost may have handed out:
+/// the ranges (have, ceiling] of the marks of every earlier history in its
+/// past (they replicate, so a standby of a promoted standby inherits them),
+/// and the current history's mark.
 #[repr(C)]
 pub(super) struct Lost {
-    pub valid: bool,
-    pub have: i64,
-    pub ceiling: i64,
-    /// The mark is in `streampos.history_marks` (a restart finds it).
+    /// Earlier histories' ranges in use, lowest first. More marks than
+    /// `LOST_RANGES`: the lowest ranges are merged (a follower in between
+    /// resynchronises needlessly, never wrongly).
+    pub n: u32,
+    pub ranges: [(i64, i64); LOST_RANGES],
+    /// The current history's mark (have, ceiling), when there is a history
+    /// in doubt, and whether it is in `streampos.history_marks`.
+    pub mark: Option<(i64, i64)>,
     pub recorded: bool,
 }
 
@@ -321,6 +327,10 @@ pub(super) struct Active {
     /// A shadow with instance `ALL_WRITERS` stands in for its stream's
     /// orphans as of this `Orphans::epoch`.
     pub orphan_epoch: u64,
+    /// Its instance was created by a savepoint that rolled back: the id is
+    /// gone (until the name is created again, `rename_entries`), and is
+    /// never remembered among the stream's writers.
+    pub ghost: bool,
     /// The instance's name (NUL-padded), for `in_flight()`: a name created
     /// by this still-running transaction is not in any other snapshot.
     pub name: [u8; NAME_BYTES],
@@ -343,6 +353,7 @@ pub(super) const FREE_ACTIVE: Active = Active {
     release_subxact: 0,
     shadow: false,
     orphan_epoch: 0,
+    ghost: false,
     name: [0; NAME_BYTES],
 };
 

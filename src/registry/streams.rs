@@ -126,12 +126,12 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.key = key;
     s.seq = seq;
     s.max_allocated = 0;
-    s.lost.valid = false;
+    s.lost.n = 0;
+    s.lost.mark = None;
     s.generation = s.generation.wrapping_add(1);
     s.summary.valid = false;
     s.orphans.valid = false;
     s.n_seen = 0;
-    s.seen_reserved = 0;
     Ok((i, false))
 }
 
@@ -203,15 +203,14 @@ fn reclaim_dropped(locked: &Locked, horizon: TransactionId) -> Option<usize> {
 /// False when state `index` is no longer the stream's (it was dropped and
 /// the state given to another stream while the sequence was read): the
 /// value read belongs to another sequence, and the stream is gone.
-/// `lost`: the stream's lost range in the current history, and whether its
-/// mark is stored.
+/// `lost`: the stream's lost ranges (see `Lost`).
 pub fn set_loaded(
     index: usize,
     key: i32,
     seq: pg_sys::Oid,
     max_allocated: i64,
     stored_writers: &[i32],
-    lost: Option<(super::history::LostRange, bool)>,
+    lost: &super::history::LostRanges,
 ) -> Result<bool, Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
     let s = &mut locked.streams()[index];
@@ -221,12 +220,7 @@ pub fn set_loaded(
     if !s.loaded {
         s.loaded = true;
         s.max_allocated = max_allocated;
-        if let Some((range, recorded)) = lost {
-            s.lost.valid = true;
-            s.lost.have = range.have;
-            s.lost.ceiling = range.ceiling;
-            s.lost.recorded = recorded;
-        }
+        lost.store(&mut s.lost);
         // Stored positions are written for the writers a token lists, at
         // most SEEN_WRITERS (more can only be imported: the extras are
         // not listed, as no writer of theirs could allocate since).

@@ -287,6 +287,8 @@ pub struct StreamView {
     pub max_allocated: i64,
     pub holders: Vec<Holder>,
     pub seen: Vec<i32>,
+    /// The stream has orphaned holds (the position worker releases them).
+    pub orphans: bool,
 }
 
 /// The snapshot this statement reads with.
@@ -515,6 +517,7 @@ pub fn view(
         let not_durable_from = (!durable.covers(f.lsn)).then_some(f.durable_from);
         hold(f.instance, f.min_id, unseen, not_durable_from);
     }
+    let orphans = copied.orphans.is_some();
     if let Some(min_id) = copied.orphans {
         holders.push(Holder {
             held_by: HeldBy::AllWriters,
@@ -533,5 +536,6 @@ pub fn view(
         max_allocated: copied.max_allocated,
         holders,
         seen,
+        orphans,
     }))
 }
