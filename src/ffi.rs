@@ -61,6 +61,8 @@ pub mod unguarded {
         pub fn GetUserId() -> Oid;
         /// Reads a backend-local value.
         pub fn GetCurrentTransactionStartTimestamp() -> TimestampTz;
+        /// Reads a backend-local value (assigns nothing).
+        pub fn GetTopTransactionIdIfAny() -> pgrx::pg_sys::TransactionId;
     }
 }
 

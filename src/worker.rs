@@ -220,8 +220,8 @@ fn release_orphans(db: pg_sys::Oid, orphans: &mut Orphans) {
         }
         // SAFETY: assigns this pass's transaction an xid (readers compare
         // against it).
-        let xid = unsafe { pg_sys::GetTopTransactionId() };
-        if registry::release_orphans(index, epoch, xid).unwrap_or(false) {
+        unsafe { pg_sys::GetTopTransactionId() };
+        if registry::release_orphans(index, epoch).unwrap_or(false) {
             orphans.waiting.remove(&index);
         }
     }

@@ -132,7 +132,14 @@ fn in_flight(
     let db = unsafe { pg_sys::MyDatabaseId };
     let streams = catalog::streams_by_key();
     let mut rows = Vec::new();
-    for r in registry::in_flight().or_raise() {
+    let in_flight = registry::in_flight().or_raise();
+    // The names of orphaned holds' writers (their sessions are gone).
+    let names = if in_flight.iter().any(|r| r.orphan_of.is_some()) {
+        sql::instance_names()
+    } else {
+        Default::default()
+    };
+    for r in in_flight {
         if r.db != db {
             continue;
         }
@@ -153,9 +160,12 @@ fn in_flight(
         let visible = r.pid.is_some() && may_see_backend_of(r.role);
         let since = TimestampWithTimeZone::try_from(r.since)
             .unwrap_or_else(|_| TimestampWithTimeZone::negative_infinity());
+        let instance_name = r
+            .instance_name
+            .or_else(|| r.orphan_of.and_then(|id| names.get(&id).cloned()));
         rows.push((
             meta.name.clone(),
-            r.instance_name,
+            instance_name,
             r.pid.filter(|_| visible),
             r.xid.filter(|_| visible),
             lo,

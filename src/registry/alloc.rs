@@ -9,7 +9,7 @@ use pgrx::pg_sys::TransactionId;
 
 use super::shmem::{
     self, Active, Finished, Locked, Section, StreamState, ALL_WRITERS, FREE_ACTIVE, HEADER,
-    NAME_BYTES, SEEN_WRITERS,
+    NAME_BYTES, ORPHAN_WRITERS, SEEN_WRITERS,
 };
 use super::streams::{matches, Stale};
 use super::visibility::{durable_lsn, fold_into_summary, latest_completed, wait_until_durable};
@@ -89,7 +89,6 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
         releasing: false,
         release_subxact: 0,
         shadow: false,
-        orphan_epoch: 0,
         ghost: false,
         name: [0; NAME_BYTES],
     };
@@ -519,53 +518,91 @@ pub fn orphans_of(db: pg_sys::Oid) -> Vec<(usize, i32, u64)> {
         .collect()
 }
 
+thread_local! {
+    /// The orphan record (state index, epoch) the running transaction of
+    /// the position worker releases at its commit: one a transaction, so
+    /// that its end pushes at most ORPHAN_WRITERS + 1 entries to the ring
+    /// (see `ring_capacity`). Reserved ahead: the commit callback must not
+    /// allocate.
+    static RELEASING_ORPHANS: std::cell::RefCell<Vec<(usize, u64)>> =
+        std::cell::RefCell::new(Vec::with_capacity(1));
+}
+
 /// The position worker releases a stream's orphaned holds (as of `epoch`)
-/// in its running transaction, whose xid is `xid`: a shadow entry holding
-/// every writer from their lowest ID, finished at its commit, which then
-/// clears the orphans if none came since. False when there is nothing
-/// (left) to release.
-pub fn release_orphans(stream: usize, epoch: u64, xid: TransactionId) -> Result<bool, Error> {
-    let slot_index = shmem::my_slot_index()?;
+/// in its running transaction, whose xid is `xid`: at its commit, each
+/// part goes to the finished ring with that xid (seen finished only by
+/// snapshots that see the commit), and the record is cleared if nothing
+/// was orphaned since. False when there is nothing (left) to release.
+pub fn release_orphans(stream: usize, epoch: u64) -> Result<bool, Error> {
+    shmem::my_slot_index()?;
     register_exit_callback();
-    let locked = Locked::acquire(Section::BeginAllocation)?;
-    let o = &locked.streams()[stream].orphans;
-    if !o.valid || o.epoch != epoch {
+    {
+        let locked = Locked::acquire(Section::OtherShared)?;
+        let o = &locked.streams()[stream].orphans;
+        if !o.valid || o.epoch != epoch {
+            return Ok(false);
+        }
+    }
+    let full = RELEASING_ORPHANS.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.len() == r.capacity() {
+            return true;
+        }
+        r.push((stream, epoch));
+        false
+    });
+    if full {
         return Ok(false);
     }
-    let i = locked.slot_headers()[slot_index].used as usize;
-    if i >= locked.slot(slot_index).len() {
-        return Ok(false);
-    }
-    let header = &locked.slot_headers()[slot_index];
-    let was_active = header.used > 0 || header.held > 0;
-    locked.slot(slot_index)[i] = Active {
-        stream: stream as i32,
-        instance: ALL_WRITERS,
-        min_id: o.min_id,
-        max_id: o.min_id,
-        count: 0,
-        xid,
-        pending: false,
-        // SAFETY: plain read of the transaction's start time.
-        since: unsafe { unguarded::GetCurrentTransactionStartTimestamp() },
-        lsn: o.lsn,
-        durable_from: o.min_id,
-        shadow: true,
-        orphan_epoch: epoch,
-        ..FREE_ACTIVE
-    };
     // SAFETY: backend-local flag.
     unsafe { HOLDING = true };
-    let header = &mut locked.slot_headers()[slot_index];
-    // SAFETY: process identity globals.
-    unsafe {
-        header.pid = pg_sys::MyProcPid;
-        header.db = pg_sys::MyDatabaseId;
-        header.role = unguarded::GetUserId();
-    }
-    shmem::publish(&mut header.used, i as u32 + 1);
-    locked.update_active(slot_index, was_active);
     Ok(true)
+}
+
+/// At the commit (or abort) of the worker's transaction: the orphan
+/// records it released (see `release_orphans`), under the lock the
+/// transaction's end already holds.
+fn end_orphan_releases(
+    locked: &Locked,
+    committed: bool,
+    xid: TransactionId,
+    stamp: TransactionId,
+    woken: &mut Woken,
+) {
+    RELEASING_ORPHANS.with(|r| {
+        let mut releasing = r.borrow_mut();
+        if committed {
+            for &(stream, epoch) in releasing.iter() {
+                let s = &mut locked.streams()[stream];
+                if !s.orphans.valid || s.orphans.epoch != epoch {
+                    continue;
+                }
+                let mut parts = [(0, 0, 0); ORPHAN_WRITERS + 1];
+                let mut n = 0;
+                for part in s.orphans.parts() {
+                    parts[n] = part;
+                    n += 1;
+                }
+                s.orphans.clear();
+                s.generation += 1;
+                woken.add(stream);
+                for &(instance, min_id, lsn) in &parts[..n] {
+                    let entry = Active {
+                        stream: stream as i32,
+                        instance,
+                        min_id,
+                        max_id: min_id,
+                        xid,
+                        lsn,
+                        durable_from: min_id,
+                        ..FREE_ACTIVE
+                    };
+                    push_finished(locked, &entry, true, stamp, 0);
+                }
+            }
+        }
+        releasing.truncate(0);
+    });
 }
 
 /// Streams to wake after a lock section, without allocating.
@@ -714,12 +751,6 @@ pub fn end_transaction(committed: bool) {
                 // itself goes below); after an abort the hold goes on.
                 if committed {
                     push_finished(&locked, a, true, stamp, durable);
-                    if a.instance == ALL_WRITERS {
-                        let orphans = &mut locked.streams()[stream].orphans;
-                        if orphans.valid && orphans.epoch == a.orphan_epoch {
-                            orphans.valid = false;
-                        }
-                    }
                 }
             } else {
                 push_finished(&locked, a, committed, stamp, durable);
@@ -729,6 +760,14 @@ pub fn end_transaction(committed: bool) {
             *a = FREE_ACTIVE;
         }
         locked.slot_headers()[slot].used = 0;
+        // The worker's releases of orphaned holds, with its xid.
+        end_orphan_releases(
+            &locked,
+            committed,
+            unguarded::GetTopTransactionIdIfAny(),
+            stamp,
+            &mut woken,
+        );
         // Holds: taken in this transaction (confirmed by its commit,
         // abandoned by its abort, like its own IDs; failed half-way:
         // abandoned), or released in it (gone with its commit).
@@ -793,16 +832,10 @@ fn orphan_holds() {
             let s = &mut locked.streams()[stream];
             // The writer's rows are other transactions': it stays listed.
             settle_seen(s, a, true);
-            let o = &mut s.orphans;
-            if o.valid {
-                o.min_id = o.min_id.min(a.min_id);
-                o.lsn = o.lsn.max(a.lsn);
-            } else {
-                o.valid = true;
-                o.min_id = a.min_id;
-                o.lsn = a.lsn;
-            }
-            o.epoch += 1;
+            // A hold taken under a name a savepoint took back holds every
+            // writer: its id is gone.
+            let writer = if a.ghost { ALL_WRITERS } else { a.instance };
+            s.orphans.fold(writer, a.min_id, a.lsn);
             s.generation += 1;
             woken.add(stream);
             *a = FREE_ACTIVE;
@@ -902,9 +935,10 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
 pub struct InFlight {
     pub db: pg_sys::Oid,
     pub key: i32,
-    /// None for orphaned holds (of sessions that ended), whose writers
-    /// were merged.
+    /// None for orphaned holds (of sessions that ended): `orphan_of`.
     pub instance_name: Option<String>,
+    /// The writer of orphaned holds, when known (None: folded with others).
+    pub orphan_of: Option<i32>,
     pub role: pg_sys::Oid,
     /// None for orphaned holds.
     pub pid: Option<i32>,
@@ -939,6 +973,7 @@ pub fn in_flight() -> Result<Vec<InFlight>, Error> {
                     String::from_utf8_lossy(a.name.split(|&b| b == 0).next().unwrap_or_default())
                         .into_owned(),
                 ),
+                orphan_of: None,
                 role: header.role,
                 pid: Some(header.pid),
                 xid: (!is_hold).then_some(a.xid),
@@ -950,18 +985,21 @@ pub fn in_flight() -> Result<Vec<InFlight>, Error> {
         }
     }
     for s in streams.iter().filter(|s| s.in_use && s.orphans.valid) {
-        rows.push(InFlight {
-            db: s.db,
-            key: s.key,
-            instance_name: None,
-            role: pg_sys::InvalidOid,
-            pid: None,
-            xid: None,
-            min_id: s.orphans.min_id,
-            max_id: s.max_allocated.max(s.orphans.min_id),
-            ids: 0,
-            since: 0,
-        });
+        for (instance, min_id, _) in s.orphans.parts() {
+            rows.push(InFlight {
+                db: s.db,
+                key: s.key,
+                instance_name: None,
+                orphan_of: (instance != ALL_WRITERS).then_some(instance),
+                role: pg_sys::InvalidOid,
+                pid: None,
+                xid: None,
+                min_id,
+                max_id: s.max_allocated.max(min_id),
+                ids: 0,
+                since: 0,
+            });
+        }
     }
     Ok(rows)
 }

@@ -160,7 +160,7 @@ impl LostRanges {
         }
         lost.n = ranges.len() as u32;
         lost.ranges[..ranges.len()].copy_from_slice(&ranges);
-        lost.mark = self.current.map(|(r, _)| (r.have, r.ceiling));
+        lost.set_mark(self.current.map(|(r, _)| (r.have, r.ceiling)));
         lost.recorded = self.current.is_none_or(|(_, recorded)| recorded);
     }
 
@@ -172,7 +172,7 @@ impl LostRanges {
                 .map(|&(have, ceiling)| LostRange { have, ceiling })
                 .collect(),
             current: lost
-                .mark
+                .mark()
                 .map(|(have, ceiling)| (LostRange { have, ceiling }, lost.recorded)),
         }
     }
@@ -208,10 +208,10 @@ pub fn raise_have(
     if !matches(s, key, seq) {
         return Ok(Err(Stale));
     }
-    if let (Some((old, ceiling)), false) = (s.lost.mark, s.lost.recorded) {
+    if let (Some((old, ceiling)), false) = (s.lost.mark(), s.lost.recorded) {
         let new = have.min(ceiling);
         if new > old {
-            s.lost.mark = Some((new, ceiling));
+            s.lost.set_mark(Some((new, ceiling)));
             if s.max_allocated == old {
                 s.max_allocated = new;
                 s.generation += 1;

@@ -231,26 +231,94 @@ pub(super) struct Lost {
     pub n: u32,
     pub ranges: [(i64, i64); LOST_RANGES],
     /// The current history's mark (have, ceiling), when there is a history
-    /// in doubt, and whether it is in `streampos.history_marks`.
-    pub mark: Option<(i64, i64)>,
+    /// in doubt, and whether it is in `streampos.history_marks`. Until it
+    /// is, readers never pass `have` (lock-free readers copy these).
+    pub mark_valid: bool,
+    pub mark_have: i64,
+    pub mark_ceiling: i64,
     pub recorded: bool,
 }
 
+impl Lost {
+    pub fn mark(&self) -> Option<(i64, i64)> {
+        self.mark_valid
+            .then_some((self.mark_have, self.mark_ceiling))
+    }
+
+    pub fn set_mark(&mut self, mark: Option<(i64, i64)>) {
+        self.mark_valid = mark.is_some();
+        if let Some((have, ceiling)) = mark {
+            self.mark_have = have;
+            self.mark_ceiling = ceiling;
+        }
+    }
+}
+
+/// Writers an orphan record keeps apart (see `Orphans`).
+pub const ORPHAN_WRITERS: usize = 8;
+
 /// The holds of sessions that ended without releasing them, one record per
-/// stream: they hold every writer back from the lowest ID until the
-/// position worker has seen every transaction that was running when they
-/// were orphaned end, and released them in a transaction of its own (a
-/// reader sees them finished only once it sees that transaction's commit,
-/// which came after every such transaction: it sees their rows).
+/// stream: each holds its writer back from its lowest ID (the holds of one
+/// writer folded together) until the position worker has seen every
+/// transaction that was running when they were orphaned end, and released
+/// them in a transaction of its own (a reader sees them finished only once
+/// it sees that transaction's commit, which came after every such
+/// transaction: it sees their rows). Beyond `ORPHAN_WRITERS` writers, the
+/// rest are folded into one part that holds every writer back (later
+/// snapshots may then answer less for other writers, never miss a row).
 #[repr(C)]
 pub(super) struct Orphans {
     pub valid: bool,
-    pub min_id: i64,
-    /// The highest WAL position the orphaned IDs need durable.
-    pub lsn: u64,
+    pub n: u32,
+    /// (writer, lowest ID, highest WAL position the IDs need durable).
+    pub writers: [(i32, i64, u64); ORPHAN_WRITERS],
+    pub all_valid: bool,
+    pub all_min_id: i64,
+    pub all_lsn: u64,
     /// Moves at every orphaning: the worker releases only what it waited
     /// for.
     pub epoch: u64,
+}
+
+impl Orphans {
+    /// Fold an orphaned hold of `writer` in.
+    pub fn fold(&mut self, writer: i32, min_id: i64, lsn: u64) {
+        let n = (self.n as usize).min(ORPHAN_WRITERS);
+        if let Some(w) = self.writers[..n].iter_mut().find(|w| w.0 == writer) {
+            w.1 = w.1.min(min_id);
+            w.2 = w.2.max(lsn);
+        } else if n < ORPHAN_WRITERS {
+            self.writers[n] = (writer, min_id, lsn);
+            self.n = n as u32 + 1;
+        } else if self.all_valid {
+            self.all_min_id = self.all_min_id.min(min_id);
+            self.all_lsn = self.all_lsn.max(lsn);
+        } else {
+            self.all_valid = true;
+            self.all_min_id = min_id;
+            self.all_lsn = lsn;
+        }
+        self.valid = true;
+        self.epoch += 1;
+    }
+
+    pub fn clear(&mut self) {
+        self.valid = false;
+        self.n = 0;
+        self.all_valid = false;
+    }
+
+    /// The parts: (writer or ALL_WRITERS, lowest ID, WAL position).
+    pub fn parts(&self) -> impl Iterator<Item = (i32, i64, u64)> + '_ {
+        let n = (self.n as usize).min(ORPHAN_WRITERS);
+        self.writers[..n]
+            .iter()
+            .copied()
+            .chain(
+                self.all_valid
+                    .then_some((ALL_WRITERS, self.all_min_id, self.all_lsn)),
+            )
+    }
 }
 
 /// A finished allocation kept for snapshots that may not see its end yet.
@@ -324,9 +392,6 @@ pub(super) struct Active {
     /// releases: finished at commit like the transaction's own IDs, dropped
     /// at abort (the hold goes on holding).
     pub shadow: bool,
-    /// A shadow with instance `ALL_WRITERS` stands in for its stream's
-    /// orphans as of this `Orphans::epoch`.
-    pub orphan_epoch: u64,
     /// Its instance was created by a savepoint that rolled back: the id is
     /// gone (until the name is created again, `rename_entries`), and is
     /// never remembered among the stream's writers.
@@ -352,13 +417,12 @@ pub(super) const FREE_ACTIVE: Active = Active {
     releasing: false,
     release_subxact: 0,
     shadow: false,
-    orphan_epoch: 0,
     ghost: false,
     name: [0; NAME_BYTES],
 };
 
-/// The instance of an entry that holds back every writer (a released
-/// orphan, see `Orphans`): instance ids are positive.
+/// The instance of an entry that holds back every writer (a part of
+/// orphaned holds, see `Orphans`): instance ids are positive.
 pub const ALL_WRITERS: i32 = 0;
 
 #[repr(C)]
@@ -423,10 +487,12 @@ pub(super) static mut HEADER: *mut Header = ptr::null_mut();
 static mut PREV_SHMEM_REQUEST: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP: pg_sys::shmem_startup_hook_type = None;
 
-/// The finished ring holds at least one entry more than every backend
-/// slot together: the summary's rule (see `visibility.rs`) relies on it.
+/// The finished ring holds at least one entry more than every backend can
+/// push at its transaction's end together (its entries, or the parts of
+/// one orphan record the position worker releases): the summary's rule
+/// (see `visibility.rs`) relies on it.
 fn ring_capacity(n_slots: usize, per_slot: usize) -> usize {
-    (guc::FINISHED_RING_SIZE.get() as usize).max(n_slots * per_slot + 1)
+    (guc::FINISHED_RING_SIZE.get() as usize).max(n_slots * per_slot.max(ORPHAN_WRITERS + 1) + 1)
 }
 
 fn slot_count() -> usize {
@@ -887,7 +953,9 @@ pub(super) struct StreamCopy {
     pub summary_lsn: u64,
     pub n_seen: usize,
     pub orphans_valid: bool,
-    pub orphans_min_id: i64,
+    /// The current history's mark is not stored yet: nothing above its
+    /// `have` is finished for any reader.
+    pub unrecorded_have: Option<i64>,
 }
 
 impl Raw {
@@ -978,7 +1046,29 @@ impl Raw {
                 summary_lsn: Self::read(&raw const (*s).summary.lsn),
                 n_seen: (Self::read(&raw const (*s).n_seen) as usize).min(SEEN_WRITERS),
                 orphans_valid: Self::read(&raw const (*s).orphans.valid),
-                orphans_min_id: Self::read(&raw const (*s).orphans.min_id),
+                unrecorded_have: (Self::read(&raw const (*s).lost.mark_valid)
+                    && !Self::read(&raw const (*s).lost.recorded))
+                .then(|| Self::read(&raw const (*s).lost.mark_have)),
+            }
+        }
+    }
+
+    /// The orphan parts of state `index` (see `Orphans::parts`), into
+    /// `out` (cleared first).
+    pub fn orphans(&self, index: usize, out: &mut Vec<(i32, i64)>) {
+        out.clear();
+        // SAFETY: as in `stream`; the count is bounded by the array.
+        unsafe {
+            let s = (self.header as *const u8).add(self.offsets().streams) as *const StreamState;
+            let o = &raw const (*s.add(index)).orphans;
+            let n = (Self::read(&raw const (*o).n) as usize).min(ORPHAN_WRITERS);
+            let writers = &raw const (*o).writers as *const (i32, i64, u64);
+            for k in 0..n {
+                let w = Self::read(writers.add(k));
+                out.push((w.0, w.1));
+            }
+            if Self::read(&raw const (*o).all_valid) {
+                out.push((ALL_WRITERS, Self::read(&raw const (*o).all_min_id)));
             }
         }
     }

@@ -127,10 +127,10 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.seq = seq;
     s.max_allocated = 0;
     s.lost.n = 0;
-    s.lost.mark = None;
+    s.lost.set_mark(None);
     s.generation = s.generation.wrapping_add(1);
     s.summary.valid = false;
-    s.orphans.valid = false;
+    s.orphans.clear();
     s.n_seen = 0;
     Ok((i, false))
 }

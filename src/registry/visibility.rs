@@ -313,8 +313,10 @@ struct Copied {
     n_seen: usize,
     /// (entry, is it the caller's own?, is it a hold?)
     slot_entries: Vec<(EntryCopy, bool, bool)>,
-    /// The lowest ID of the stream's orphaned holds.
-    orphans: Option<i64>,
+    /// The stream's orphaned holds: (writer or ALL_WRITERS, lowest ID).
+    orphans: Vec<(i32, i64)>,
+    /// See `StreamCopy::unrecorded_have`.
+    unrecorded_have: Option<i64>,
     ring_entries: Vec<Finished>,
     /// (lowest ID, highest stamp, highest LSN) of a valid summary.
     summary: Option<(i64, TransactionId, u64)>,
@@ -394,7 +396,11 @@ fn copy_stream(
     out.summary =
         s.summary_valid
             .then_some((s.summary_min_id, s.summary_latest_completed, s.summary_lsn));
-    out.orphans = s.orphans_valid.then_some(s.orphans_min_id);
+    out.orphans.clear();
+    if s.orphans_valid {
+        raw.orphans(stream, &mut out.orphans);
+    }
+    out.unrecorded_have = s.unrecorded_have;
     Ok(())
 }
 
@@ -517,10 +523,24 @@ pub fn view(
         let not_durable_from = (!durable.covers(f.lsn)).then_some(f.durable_from);
         hold(f.instance, f.min_id, unseen, not_durable_from);
     }
-    let orphans = copied.orphans.is_some();
-    if let Some(min_id) = copied.orphans {
+    // A history whose mark is not stored yet: its first allocating
+    // transaction may still abort, and a restart would then find its range
+    // again from the sequence, up to its new value: nothing of the history
+    // is finished before its mark is stored (registry/history.rs).
+    if let Some(have) = copied.unrecorded_have {
         holders.push(Holder {
             held_by: HeldBy::AllWriters,
+            min_id: have.saturating_add(1),
+        });
+    }
+    let orphans = !copied.orphans.is_empty();
+    for &(writer, min_id) in &copied.orphans {
+        holders.push(Holder {
+            held_by: if writer == ALL_WRITERS {
+                HeldBy::AllWriters
+            } else {
+                HeldBy::Writer(writer)
+            },
             min_id,
         });
     }

@@ -139,8 +139,9 @@ def test_a_session_that_ends_with_holds_releases_them_after_every_writer_then_ru
     writing.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
     assert commit_ids(db, stream, "w") == [held + 1]
     db.execute("SELECT pg_terminate_backend(%s)", (backend_pid(holder),))
-    wait_until(lambda: [r[1] for r in rows(db, "SELECT * FROM streampos.in_flight(%s)", (stream,))] == [None],
-               message="the hold to be orphaned")
+    # Orphaned: still the writer's, with no session.
+    wait_until(lambda: [(r[1], r[2]) for r in rows(db, "SELECT * FROM streampos.in_flight(%s)", (stream,))]
+               == [("persister", None)], message="the hold to be orphaned")
     # Held while the writing transaction runs, however long.
     time.sleep(1.0)
     assert frontier(db, stream) == held - 1
