@@ -1,0 +1,627 @@
+"""Adversary round 4, against the engine rewritten for issue 19 (durability
+per allocation, answers kept while their snapshots live, holds, lost
+history keyed on a history id, the stored frontier, 1 024 writers per
+stream).
+
+Every test is an attack. A test that FAILS is a break of docs/contract.md
+(its docstring says which promise, how, and what would fix it); a test that
+passes is an attack the engine withstood, kept as a guard. Tests that need
+clusters of their own (a standby, a promotion, a chain of them) use
+cluster.py on the failover ports; the others use the suite's server.
+"""
+
+import os
+import re
+import shutil
+import threading
+import time
+
+import psycopg
+import pytest
+
+from cluster import Clusters, Pair, USER, _bin, _run
+from support import (
+    backend_pid,
+    commit_ids,
+    create_stream,
+    expect_error,
+    flush_wal,
+    frontier,
+    in_flight,
+    one,
+    rows,
+    wait_until,
+)
+
+RESYNC = "72000"
+
+
+def hold(conn, stream, writer, n=1):
+    return one(conn, "SELECT streampos.hold_ids(%s, %s, %s)", (stream, writer, n))
+
+
+def release(conn, stream, ids):
+    conn.execute("SELECT streampos.release_ids(%s, %s)", (stream, ids))
+
+
+def token_text(conn, stream):
+    return one(conn, "SELECT streampos.current_token(%s)::text", (stream,))
+
+
+def token_entries(text):
+    """{instance id: position} of a token's text (empty for a plain one)."""
+    if not text.startswith("m"):
+        return {}
+    return {int(i): int(p) for i, p in (e.split(".") for e in text.split("~")[1:] if e)}
+
+
+def token_position(text, instance_id):
+    """A writer's position in a token: its entry, else the minimum."""
+    minimum = int(text[1:].split("~")[0]) if text.startswith("m") else int(text)
+    return token_entries(text).get(instance_id, minimum)
+
+
+def top_transaction_bytes(conn):
+    return one(
+        conn,
+        "SELECT sum(total_bytes) FROM pg_catalog.pg_backend_memory_contexts "
+        "WHERE name = 'TopTransactionContext'",
+    )
+
+
+# =====================================================================
+# The answer cache: one answer per snapshot, memory bounded by what
+# PostgreSQL keeps alive.
+# =====================================================================
+
+
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
+def test_answer_cache_memory_is_bounded_when_snapshots_repeat(connect, db, stream, isolation):
+    """BREAKS "memory/xmin never grows without bound" (design.md, "One
+    answer per snapshot": "an entry goes when none of its snapshots is held
+    by anyone else ... So the cache holds what PostgreSQL holds alive").
+
+    How: every statement's active snapshot is a fresh copy; when its
+    contents equal an entry's (every statement of a REPEATABLE READ
+    transaction, or READ COMMITTED while nothing else commits), `get`
+    registers the copy on the transaction's resource owner and appends it to
+    the entry's `holds`. Sweeps run only when a NEW entry is added, so an
+    entry whose contents never change is never swept: every statement's
+    snapshot stays registered to the end of the transaction. A plpgsql loop
+    of 20 000 `frontier()` calls grows TopTransactionContext from 8 kB to
+    4 MB (60 000 calls: 16 MB, 15 s: `holds.contains` is linear too), with
+    nothing alive but the transaction.
+
+    Fix: register one snapshot per entry (the first), and for later copies
+    with the same contents keep only the pointer list bounded — e.g. sweep
+    an entry's own `holds` when it grows past twice its live count (drop
+    copies that are no longer held elsewhere), independently of new
+    entries; or keep one registered copy of the contents (CopySnapshot made
+    by the cache itself) and never register the caller's copies."""
+    create_stream(db, stream)
+    commit_ids(db, stream, "w")
+    reader = connect()
+    reader.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    reader.execute("DO $$ BEGIN FOR k IN 1..20000 LOOP PERFORM pg_catalog.pg_current_snapshot(); "
+                   "END LOOP; END $$")
+    baseline = top_transaction_bytes(reader)
+    reader.execute(f"DO $$ BEGIN FOR k IN 1..20000 LOOP PERFORM streampos.frontier('{stream}'); "
+                   "END LOOP; END $$")
+    grown = top_transaction_bytes(reader)
+    reader.execute("COMMIT")
+    assert grown - baseline < 1024 * 1024, (
+        f"20 000 reads with one snapshot's contents grew TopTransactionContext from {baseline} "
+        f"to {grown} bytes: every statement's snapshot copy stays registered by the answer cache"
+    )
+
+
+def test_a_with_hold_cursor_keeps_its_answer_after_commit(connect, db, stream):
+    """Withstood: a WITH HOLD cursor is materialised before the cache lets
+    its snapshots go (portals are persisted before XACT_EVENT_PRE_COMMIT),
+    so rows fetched after COMMIT carry the first answer."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    assert commit_ids(db, stream, "w") == [1]
+    holder = connect()
+    holder.execute("BEGIN")
+    assert one(holder, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 2
+    assert commit_ids(db, stream, "w", 2) == [3, 4]
+    for i in (4, 1, 3):
+        db.execute(f"INSERT INTO {table} VALUES (%s)", (i,))
+    reader = connect()
+    reader.execute("BEGIN")
+    reader.execute(
+        f"DECLARE c CURSOR WITH HOLD FOR SELECT id, streampos.frontier(%s) FROM {table} "
+        f"WHERE id <= streampos.frontier(%s)", (stream, stream))
+    got = reader.execute("FETCH 1 FROM c").fetchall()
+    holder.execute("ROLLBACK")
+    reader.execute("COMMIT")
+    got += reader.execute("FETCH ALL FROM c").fetchall()
+    reader.execute("CLOSE c")
+    assert got == [(1, 1)], got
+
+
+def test_a_procedure_committing_inside_a_cursor_loop_keeps_the_loops_answer(connect, db, stream):
+    """Withstood: a plpgsql FOR loop over rows <= frontier() in a procedure
+    that COMMITs inside the loop (the loop's portal is held across the
+    commit) returns rows all carrying the first answer, none above it."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    db.execute(f"CREATE TABLE {table}_out (id bigint, f bigint)")
+    assert commit_ids(db, stream, "w") == [1]
+    holder = connect()
+    holder.execute("BEGIN")
+    assert one(holder, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 2
+    assert commit_ids(db, stream, "w", 2) == [3, 4]
+    for i in (1, 3, 4):
+        db.execute(f"INSERT INTO {table} VALUES (%s)", (i,))
+    db.execute(f"""
+        CREATE PROCEDURE {stream}_p() LANGUAGE plpgsql AS $$
+        DECLARE r record;
+        BEGIN
+          FOR r IN SELECT id, streampos.frontier('{stream}') AS f FROM {table}
+                   WHERE id <= streampos.frontier('{stream}') ORDER BY id LOOP
+            INSERT INTO {table}_out VALUES (r.id, r.f);
+            COMMIT;
+            PERFORM pg_catalog.pg_sleep(0.2);
+          END LOOP;
+        END $$""")
+    reader = connect()
+    done = threading.Event()
+
+    def run():
+        try:
+            reader.execute(f"CALL {stream}_p()")
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.1)
+    holder.execute("ROLLBACK")
+    t.join(timeout=30)
+    assert done.is_set()
+    assert rows(db, f"SELECT id, f FROM {table}_out ORDER BY id") == [(1, 1)]
+
+
+def test_a_cursor_survives_a_subtransaction_that_aborts_around_it(connect, db, stream):
+    """Withstood: a cursor opened before a savepoint, read inside it (new
+    answers for new snapshots), the savepoint rolled back (its resource
+    owner released), then FETCH ALL: one answer for the cursor's snapshot.
+    And a cursor opened inside a savepoint that is released keeps its
+    answer too."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    assert commit_ids(db, stream, "w") == [1]
+    holder = connect()
+    holder.execute("BEGIN")
+    assert one(holder, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 2
+    assert commit_ids(db, stream, "w", 2) == [3, 4]
+    for i in (4, 1, 3):
+        db.execute(f"INSERT INTO {table} VALUES (%s)", (i,))
+    reader = connect()
+    reader.execute("SET enable_indexscan = off")
+    reader.execute("BEGIN")
+    q = f"SELECT id, streampos.frontier(%s) FROM {table} WHERE id <= streampos.frontier(%s)"
+    reader.execute(f"DECLARE outer_c CURSOR FOR {q}", (stream, stream))
+    got = reader.execute("FETCH 1 FROM outer_c").fetchall()
+    reader.execute("SAVEPOINT a")
+    reader.execute(f"DECLARE inner_c CURSOR FOR {q}", (stream, stream))
+    inner = reader.execute("FETCH 1 FROM inner_c").fetchall()
+    reader.execute("RELEASE SAVEPOINT a")
+    holder.execute("ROLLBACK")
+    for k in range(50):
+        reader.execute("SAVEPOINT b")
+        db.execute("SELECT pg_catalog.pg_current_xact_id()")
+        assert one(reader, "SELECT streampos.frontier(%s)", (stream,)) == 4
+        try:
+            reader.execute("SELECT 1/0")
+        except psycopg.errors.DivisionByZero:
+            pass
+        reader.execute("ROLLBACK TO SAVEPOINT b")
+    got += reader.execute("FETCH ALL FROM outer_c").fetchall()
+    inner += reader.execute("FETCH ALL FROM inner_c").fetchall()
+    reader.execute("COMMIT")
+    assert got == [(1, 1)], got
+    assert inner == [(1, 1)], inner
+
+
+def test_an_exported_snapshot_of_a_transaction_holding_ids(connect, db, stream):
+    """Withstood: a READ COMMITTED transaction that holds ID 2 exports its
+    statement's snapshot after later commits (its own xid is below the
+    snapshot's xmax and, as every snapshot, not in its xip). The importer
+    must treat ID 2 as in flight (PostgreSQL adds the exporter's xid to the
+    exported snapshot)."""
+    create_stream(db, stream)
+    assert commit_ids(db, stream, "w") == [1]
+    exporter = connect()
+    exporter.execute("BEGIN")
+    assert one(exporter, "SELECT streampos.next_id(%s, 'x')", (stream,)) == 2
+    assert commit_ids(db, stream, "w", 3) == [3, 4, 5]
+    snapshot = one(exporter, "SELECT pg_catalog.pg_export_snapshot()")
+    importer = connect()
+    importer.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    importer.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+    assert one(importer, "SELECT streampos.frontier(%s)", (stream,)) == 1
+    assert one(importer, "SELECT streampos.writer_position(%s, 'x')", (stream,)) == 1
+    exporter.execute("COMMIT")
+    assert one(importer, "SELECT streampos.frontier(%s)", (stream,)) == 1
+    importer.execute("COMMIT")
+
+
+# =====================================================================
+# Instance ids taken back by a rolled-back savepoint
+# =====================================================================
+
+
+def test_an_id_allocated_under_a_name_a_savepoint_took_back_holds_that_name(connect, db, stream):
+    """BREAKS invariant 1 (writer positions and tokens: "the largest p such
+    that every ID <= p allocated to W is finished").
+
+    How: T allocates ID 1 for the new writer name `late` in a savepoint
+    (creating its instance, id X) and rolls the savepoint back: the
+    instance row is gone, the entry (ID 1) stays in flight under X until T
+    ends. Another session then allocates for `late`, which creates the name
+    again with id Y, and commits ID 2. `rename_own_entries` only renames
+    entries of the transaction that creates the name, so T's ID 1 holds X,
+    a number nobody can name: writer_position('late') and the token's entry
+    for Y are 2 while ID 1, allocated to `late`, is in flight. T then writes
+    its row (1, 'late') and commits: a reader that followed `late` up to 2
+    never sees row 1.
+
+    Fix: an entry whose instance a rolled-back savepoint took back must not
+    be left under a dead id: at SUBXACT_EVENT_ABORT_SUB, mark such entries
+    (and holds) as holding every writer (ALL_WRITERS), or resolve the name
+    again in the entry when the name is next created by anyone (entries
+    carry the name)."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint, writer text)")
+    name = f"{stream}_late"
+    t = connect()
+    t.execute("BEGIN")
+    t.execute("SAVEPOINT a")
+    assert one(t, "SELECT streampos.next_id(%s, %s)", (stream, name)) == 1
+    t.execute("ROLLBACK TO SAVEPOINT a")
+    other = connect()
+    assert commit_ids(other, stream, name) == [2]
+    reader = connect()
+    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    position = one(reader, "SELECT streampos.writer_position(%s, %s)", (stream, name))
+    text = token_text(reader, stream)
+    late = one(reader, "SELECT streampos.instance_id(%s)", (name,))
+    db.execute(f"INSERT INTO {table} VALUES (2, %s)", (name,))
+    t.execute(f"INSERT INTO {table} VALUES (1, %s)", (name,))
+    t.execute("COMMIT")
+    seen = [r[0] for r in rows(reader, f"SELECT id FROM {table} WHERE writer = %s AND id <= %s ORDER BY id",
+                               (name, position))]
+    reader.execute("COMMIT")
+    assert position < 1 and token_position(text, late) < 1, (
+        f"writer_position({name!r}) = {position}, token {text} (instance {late}) while ID 1, allocated "
+        f"to {name!r} in a rolled-back savepoint, was in flight; rows of the writer the reader saw: {seen}"
+    )
+
+
+def test_a_hold_taken_under_a_name_a_savepoint_took_back_holds_that_name(connect, db, stream):
+    """BREAKS invariant 1, for holds (which outlive the transaction, so no
+    later `rename_own_entries` of that transaction can fix them).
+
+    How: `hold_ids(s, 'late')` in a savepoint that creates the name, the
+    savepoint rolled back, the transaction committed: the hold (ID 1) is
+    confirmed under an instance id that no longer exists. Another session
+    creates `late` again (new id) and commits ID 2: writer_position('late')
+    is 2 while the hold, whose row will be written as `late`'s, is in
+    flight; the hold's row is then written and the hold released, and a
+    reader that followed `late` to 2 never sees row 1.
+
+    Fix: as for transaction entries (previous test); for holds also at the
+    top-level commit: a confirmed hold whose instance id does not exist
+    must hold every writer (or be renamed when the name is created)."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint, writer text)")
+    name = f"{stream}_late"
+    holder = connect()
+    holder.execute("BEGIN")
+    holder.execute("SAVEPOINT a")
+    ids = hold(holder, stream, name)
+    assert ids == [1]
+    holder.execute("ROLLBACK TO SAVEPOINT a")
+    holder.execute("COMMIT")
+    assert frontier(db, stream) == 0, "the hold outlives the rolled-back savepoint"
+    assert commit_ids(db, stream, name) == [2]
+    reader = connect()
+    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    position = one(reader, "SELECT streampos.writer_position(%s, %s)", (stream, name))
+    text = token_text(reader, stream)
+    late = one(reader, "SELECT streampos.instance_id(%s)", (name,))
+    db.execute(f"INSERT INTO {table} VALUES (2, %s)", (name,))
+    db.execute(f"INSERT INTO {table} VALUES (1, %s)", (name,))
+    release(holder, stream, ids)
+    reader.execute("COMMIT")
+    assert position < 1 and token_position(text, late) < 1, (
+        f"writer_position({name!r}) = {position}, token {text} (instance {late}) while the hold of "
+        f"ID 1 for {name!r} was in flight"
+    )
+
+
+# =====================================================================
+# Holds
+# =====================================================================
+
+
+def test_release_in_nested_savepoints_follows_the_outer_rollback(connect, db, stream):
+    """Withstood: release in an inner savepoint, the inner one released
+    (its release now belongs to the outer one), the outer one rolled back:
+    the hold stays; a later release commits it."""
+    create_stream(db, stream)
+    holder = connect()
+    ids = hold(holder, stream, "p", 2)
+    holder.execute("BEGIN")
+    holder.execute("SAVEPOINT a")
+    holder.execute("SAVEPOINT b")
+    release(holder, stream, ids)
+    holder.execute("RELEASE SAVEPOINT b")
+    holder.execute("ROLLBACK TO SAVEPOINT a")
+    holder.execute("COMMIT")
+    assert frontier(db, stream) == 0
+    assert [r[3] for r in in_flight(db, stream)] == [1]
+    holder.execute("BEGIN")
+    holder.execute("SAVEPOINT a")
+    holder.execute("SAVEPOINT b")
+    release(holder, stream, ids)
+    holder.execute("RELEASE SAVEPOINT b")
+    holder.execute("RELEASE SAVEPOINT a")
+    holder.execute("COMMIT")
+    assert frontier(db, stream) == 2
+    assert in_flight(db, stream) == []
+
+
+def test_rolled_back_releases_leave_nothing_behind(connect, db, stream):
+    """BREAKS invariant 4 ("a bad call ... leaves nothing behind") and the
+    limits table (a transaction's entries are "(stream, writer) pairs").
+
+    How: `release_ids` puts a *shadow* entry in the transaction's entries;
+    a rolled-back savepoint keeps the hold but leaves the shadow there
+    ("they finish nothing the hold does not"). A transaction that retries a
+    release in a savepoint (the usual retry pattern) runs out of entries
+    after streampos.max_streams_per_transaction (8) attempts: the 9th
+    release of the SAME hold fails with 53400, although the transaction
+    holds nothing. Likewise a transaction cannot release more than 8 holds
+    (64 are allowed per session).
+
+    Fix: drop a release's shadow when its savepoint aborts (the shadow
+    records the subtransaction, as the hold does), and let one shadow per
+    (stream, writer) stand for every hold released in the transaction (the
+    lowest ID, the highest WAL position), or document the limit."""
+    create_stream(db, stream)
+    holder = connect()
+    ids = hold(holder, stream, "p")
+    per_transaction = int(one(holder, "SHOW streampos.max_streams_per_transaction"))
+    holder.execute("BEGIN")
+    for attempt in range(per_transaction):
+        holder.execute("SAVEPOINT retry")
+        release(holder, stream, ids)
+        holder.execute("ROLLBACK TO SAVEPOINT retry")
+    try:
+        release(holder, stream, ids)
+        failed = None
+    except psycopg.Error as e:
+        failed = f"{e.sqlstate}: {e}"
+    holder.execute("ROLLBACK")
+    assert failed is None, (
+        f"release #{per_transaction + 1} of one hold after {per_transaction} rolled-back attempts: {failed}"
+    )
+
+
+def test_one_transaction_releases_more_holds_than_it_has_entries(connect, db, stream):
+    """BREAKS the documented limits: a session may hold 64 holds
+    (streampos.max_held_per_session), but each release takes one of the
+    transaction's 8 entries (a shadow): releasing 9 holds of one stream and
+    writer in one transaction fails with 53400 naming
+    streampos.max_streams_per_transaction, a limit documented for
+    (stream, writer) pairs only.
+
+    Fix: one shadow per (stream, writer) for every hold the transaction
+    releases (lowest ID, highest WAL position), or document it."""
+    create_stream(db, stream)
+    holder = connect()
+    held = [hold(holder, stream, "p") for _ in range(9)]
+    holder.execute("BEGIN")
+    try:
+        for ids in held:
+            release(holder, stream, ids)
+        holder.execute("COMMIT")
+        failed = None
+    except psycopg.Error as e:
+        failed = f"{e.sqlstate}: {e.diag.message_primary} ({e.diag.message_hint})"
+        holder.execute("ROLLBACK")
+    assert failed is None, f"releasing 9 holds in one transaction: {failed}"
+    assert frontier(db, stream) == 9
+
+
+def test_an_orphaned_hold_waits_for_a_prepared_writer(connect, db, stream):
+    """Withstood: the row of a hold is written by a transaction that is
+    PREPAREd (two-phase commit); the holding session dies. The orphaned
+    hold must not be released while the prepared transaction is pending
+    (its row is not visible yet), and is released after COMMIT PREPARED."""
+    if int(one(db, "SHOW max_prepared_transactions")) == 0:
+        pytest.skip("max_prepared_transactions = 0")
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    writer = connect()
+    gid = f"{stream}_gid"
+    writer.execute("BEGIN")
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    try:
+        assert commit_ids(db, stream, "w") == [held + 1]
+        db.execute("SELECT pg_terminate_backend(%s)", (backend_pid(holder),))
+        wait_until(lambda: [r[1] for r in in_flight(db, stream)] == [None], message="the orphan")
+        time.sleep(1.5)
+        f = frontier(db, stream)
+        seen = one(db, f"SELECT count(*) FROM {table} WHERE id <= %s", (f,))
+        assert f == held - 1, f"frontier {f} passed the orphaned hold {held} while its writer is prepared"
+    finally:
+        db.execute(f"COMMIT PREPARED '{gid}'")
+    wait_until(lambda: frontier(db, stream) == held + 1, message="the orphan's release")
+    assert one(db, f"SELECT count(*) FROM {table} WHERE id <= %s", (held + 1,)) == 1
+
+
+def test_a_session_terminated_while_releasing_keeps_its_hold_until_writers_end(connect, db, stream):
+    """Withstood: the holder called release_ids in a transaction and is
+    terminated before COMMIT: the release is undone with the transaction
+    and the hold becomes an orphan, released only once every transaction
+    running when it was orphaned has ended."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    writing = connect()
+    writing.execute("BEGIN")
+    writing.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    holder.execute("BEGIN")
+    release(holder, stream, [held])
+    db.execute("SELECT pg_terminate_backend(%s)", (backend_pid(holder),))
+    wait_until(lambda: [r[1] for r in in_flight(db, stream)] == [None], message="the orphan")
+    time.sleep(1.0)
+    assert frontier(db, stream) == held - 1
+    writing.execute("COMMIT")
+    wait_until(lambda: frontier(db, stream) == held, message="the orphan's release")
+
+
+def test_a_hold_on_a_dropped_stream_never_holds_its_successor(connect, db, stream):
+    """Withstood: a hold on a stream that is dropped and created again
+    under the same name holds the old stream's state only (keys are never
+    reused), and the holder's session ending leaves the new stream alone."""
+    create_stream(db, stream)
+    holder = connect()
+    ids = hold(holder, stream, "p", 3)
+    db.execute("SELECT streampos.drop_stream(%s)", (stream,))
+    create_stream(db, stream)
+    assert commit_ids(db, stream, "w") == [1]
+    assert frontier(db, stream) == 1
+    expect_error(holder, "SELECT streampos.release_ids(%s, %s)", (stream, ids), sqlstate="22023")
+    holder.close()
+    time.sleep(0.5)
+    assert commit_ids(db, stream, "w") == [2]
+    assert frontier(db, stream) == 2
+
+
+def test_holds_on_a_backward_stream(connect, db, stream):
+    """Withstood: a backward stream's holds are returned negated, released
+    with that array, and hold the frontier at the ID above them."""
+    create_stream(db, stream, backwards=True)
+    holder = connect()
+    ids = hold(holder, stream, "p", 2)
+    assert ids == [-1, -2]
+    assert commit_ids(db, stream, "w") == [-3]
+    assert frontier(db, stream) == 0
+    expect_error(holder, "SELECT streampos.release_ids(%s, %s)", (stream, [1, 2]), sqlstate="22023")
+    release(holder, stream, ids)
+    assert frontier(db, stream) == -3
+
+
+# =====================================================================
+# Writers a stream remembers (1 024)
+# =====================================================================
+
+WRITERS_PER_STREAM = 1024
+
+
+def commit_one_id_each(conn, stream, first, last, prefix="w"):
+    conn.execute(
+        f"DO $$ BEGIN FOR k IN {int(first)}..{int(last)} LOOP "
+        f"PERFORM streampos.next_id('{stream}', '{prefix}' || k); COMMIT; END LOOP; END $$"
+    )
+
+
+def test_the_1024th_writer_is_not_refused_for_running_twice(connect, db, stream):
+    """BREAKS the limits table ("writers of a stream: 1 024 (a stream open
+    to any writer refuses a writer beyond, 54000)").
+
+    How: a place among the remembered writers is reserved per *entry*, not
+    per writer: two concurrent transactions of the same new writer (or
+    one session's holds, each an entry) reserve two places. With 1 023
+    writers remembered, the 1 024th writer's first transaction reserves
+    the last place, and its second concurrent transaction is refused with
+    54000 "too many writers", although the writer is the 1 024th.
+
+    Fix: count reservations per (stream, instance) (e.g. a small table of
+    reserved instance ids in the stream's state, or check the active
+    entries for the same instance before reserving)."""
+    create_stream(db, stream)
+    commit_one_id_each(db, stream, 1, WRITERS_PER_STREAM - 1)
+    # The name exists (committed), so that the two transactions do not wait
+    # for each other on its creation; the stream has not seen it yet.
+    one(db, "SELECT streampos.instance_id('the_1024th')")
+    first, second = connect(), connect()
+    first.execute("BEGIN")
+    one(first, "SELECT streampos.next_id(%s, 'the_1024th')", (stream,))
+    second.execute("BEGIN")
+    try:
+        one(second, "SELECT streampos.next_id(%s, 'the_1024th')", (stream,))
+        failed = None
+    except psycopg.Error as e:
+        failed = f"{e.sqlstate}: {e.diag.message_primary}"
+    second.execute("ROLLBACK")
+    first.execute("ROLLBACK")
+    assert failed is None, f"the 1024th writer's second transaction: {failed}"
+
+
+def test_holds_of_one_new_writer_take_one_place(connect, db, stream):
+    """BREAKS the limits table, with holds: each hold of a new writer
+    reserves a place of its own. With 1 000 writers remembered, a new
+    writer's 25th hold is refused (54000) although it is the 1 001st
+    writer. (Same fix as above.)"""
+    create_stream(db, stream)
+    commit_one_id_each(db, stream, 1, 1000)
+    holder = connect()
+    failed = None
+    for k in range(30):
+        try:
+            hold(holder, stream, "persister")
+        except psycopg.Error as e:
+            failed = f"hold #{k + 1}: {e.sqlstate}: {e.diag.message_primary}"
+            break
+    assert failed is None, failed
+
+
+def test_set_writers_null_keeps_every_listed_writer_in_tokens(connect, db, stream):
+    """BREAKS invariant 3 ("every writer position never goes backwards ...
+    for snapshots taken later"), in tokens and writer_positions.
+
+    How: a stream with configured writers lists them all in tokens; a
+    writer that never committed (idle) is at the highest allocated ID,
+    ahead of a frontier held by another writer, so the token carries it.
+    `set_writers(s, NULL)` opens the stream; an open stream's tokens list
+    only the writers *seen committing since start-up*, so the idle writer
+    drops out of the next token (and of writer_positions): its token
+    position goes back from the highest ID to the frontier.
+
+    Fix: when a stream's writers change, remember the writers its tokens
+    listed (add the configured writers to `seen` at the commit of
+    set_writers), or list every instance with a stored position."""
+    create_stream(db, stream, writers=["a", "b"])
+    assert commit_ids(db, stream, "a") == [1]
+    holder = connect()
+    holder.execute("BEGIN")
+    assert one(holder, "SELECT streampos.next_id(%s, 'a')", (stream,)) == 2
+    b = one(db, "SELECT streampos.instance_id('b')")
+    before = token_text(db, stream)
+    assert token_position(before, b) == 2, before
+    db.execute("SELECT streampos.set_writers(%s, NULL)", (stream,))
+    after = token_text(db, stream)
+    listed = {r[0] for r in rows(db, "SELECT * FROM streampos.writer_positions(%s)", (stream,))}
+    holder.execute("ROLLBACK")
+    assert token_position(after, b) >= 2, (
+        f"writer b went back from 2 to {token_position(after, b)} in tokens: {before} then {after} "
+        f"(writer_positions now lists {sorted(listed)})"
+    )
