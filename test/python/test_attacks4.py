@@ -1054,3 +1054,113 @@ def test_a_stream_dropped_and_created_again_starts_over_on_the_standby(clusters)
         with standby.connect() as r:
             assert r.execute("SELECT streampos.frontier('again')").fetchone()[0] == 0
         c.execute("COMMIT")
+
+
+# =====================================================================
+# Logical replication: the trigger that keeps catalog rows local
+# =====================================================================
+
+
+def test_a_subscriber_can_allocate_in_an_apply_trigger(clusters):
+    """BREAKS the logical replication section ("a subscriber's streams are
+    its own ... To write on a subscriber, register its replicated tables
+    as its own streams") and invariant 4 (an error with the wrong SQLSTATE,
+    a subscription failing in a loop).
+
+    How: the subscriber numbers incoming rows with a stream of its own, in
+    a BEFORE INSERT trigger enabled ALWAYS (so it fires in the apply
+    worker). The first row makes `next_id` create the writer's instance;
+    that INSERT into streampos.instances runs in the apply worker, where
+    the catalog trigger `catalog_rows_stay_local` skips EVERY row a logical
+    replication worker writes — not only the rows the subscription brings
+    — so the instance is never created, `instance_id` fails with 40001
+    ("created concurrently"), and the apply worker retries forever. (The
+    same silently drops a history mark stored by an allocation in the
+    apply worker of a promoted standby, while the registry believes it
+    stored: the lost range is recomputed, later, after a restart.)
+
+    Fix: skip only rows the apply worker is applying from the publisher:
+    e.g. a backend-local flag set while the extension writes its own
+    catalog (`as_owner`), checked by the trigger before skipping."""
+    publisher = clusters.node(wal_level="logical")
+    subscriber = clusters.node()
+    with publisher.connect() as p:
+        p.execute("CREATE TABLE src (id int PRIMARY KEY, body text)")
+        p.execute("CREATE PUBLICATION pub FOR TABLE src")
+    with subscriber.connect() as s:
+        s.execute("SELECT streampos.create_stream('sub_ev')")
+        s.execute("CREATE TABLE src (id int PRIMARY KEY, body text, ord bigint)")
+        s.execute("""
+            CREATE FUNCTION number_row() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN NEW.ord := streampos.next_id('sub_ev', 'applier'); RETURN NEW; END $$""")
+        s.execute("CREATE TRIGGER number_row BEFORE INSERT ON src FOR EACH ROW EXECUTE FUNCTION number_row()")
+        s.execute("ALTER TABLE src ENABLE ALWAYS TRIGGER number_row")
+        s.execute(f"CREATE SUBSCRIPTION sub CONNECTION '{publisher.conninfo()}' PUBLICATION pub "
+                  "WITH (copy_data = false)")
+        wait_until(lambda: s.execute("SELECT count(*) FROM pg_stat_subscription WHERE pid IS NOT NULL")
+                   .fetchone()[0] > 0, timeout=30, message="the apply worker")
+    with publisher.connect() as p:
+        for i in range(3):
+            p.execute("INSERT INTO src VALUES (%s, 'x')", (i,))
+    with subscriber.connect() as s:
+        try:
+            wait_until(lambda: s.execute("SELECT count(*) FROM src").fetchone()[0] == 3, timeout=20,
+                       message="the rows to be applied")
+            applied = None
+        except AssertionError as e:
+            applied = str(e)
+        errors = s.execute("SELECT apply_error_count FROM pg_stat_subscription_stats").fetchone()[0]
+        ords = s.execute("SELECT ord FROM src ORDER BY id").fetchall()
+        s.execute("ALTER SUBSCRIPTION sub DISABLE")
+        s.execute("ALTER SUBSCRIPTION sub SET (slot_name = NONE)")
+        s.execute("DROP SUBSCRIPTION sub")
+    log = [line for line in subscriber.log_tail(200).splitlines() if "ERROR" in line][:3]
+    assert applied is None and errors == 0, (
+        f"the subscriber's apply trigger cannot allocate: {errors} apply errors, rows {ords}; log: {log}")
+    assert [o for (o,) in ords] == [1, 2, 3]
+
+
+# =====================================================================
+# The position worker
+# =====================================================================
+
+
+def test_an_orphaned_hold_is_released_without_new_allocations(connect, db, stream):
+    """BREAKS progress (invariant 2) and the holds section ("then the
+    position worker releases them").
+
+    How: orphaned holds are released only by the database's position
+    worker, which is started only by an allocation and never restarted by
+    the postmaster. When it is gone (here terminated, as an operator's
+    "terminate every backend of this database" does; or it could not get a
+    slot: max_worker_processes, 64 databases) and the stream sees no new
+    allocation, an orphaned hold holds the frontier for ever: wait_for
+    never returns, although every transaction that could write the hold's
+    rows has ended.
+
+    Fix: let readers (or any streampos call) start the worker when they
+    see orphans (`ensure_running` from the reading path when
+    `orphans.valid`), or have the postmaster restart it (a restart time)."""
+    create_stream(db, stream)
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    assert commit_ids(db, stream, "w") == [held + 1]
+    # The worker of this database (started by the allocations above).
+    workers = rows(db, "SELECT pid FROM pg_stat_activity WHERE backend_type = 'streampos position worker' "
+                       "AND datname = current_database()")
+    assert workers, "no position worker runs in the test database"
+    for (pid,) in workers:
+        db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_until(lambda: not rows(db, "SELECT pid FROM pg_stat_activity WHERE backend_type = "
+                                    "'streampos position worker' AND datname = current_database()"),
+               message="the worker to exit")
+    db.execute("SELECT pg_terminate_backend(%s)", (backend_pid(holder),))
+    wait_until(lambda: [r[1] for r in in_flight(db, stream)] == [None], message="the orphan")
+    try:
+        released = one(db, "SELECT streampos.wait_for(%s, %s, 5000)", (stream, held + 1))
+    finally:
+        # Restart the worker for the rest of the suite (an allocation does).
+        commit_ids(db, "warmup", "warmup")
+    assert released == held + 1, (
+        f"5 s after its session ended, with nothing running, the orphaned hold {held} still holds the "
+        f"frontier at {released}: the position worker is gone and nothing starts it")
