@@ -1164,3 +1164,25 @@ def test_an_orphaned_hold_is_released_without_new_allocations(connect, db, strea
     assert released == held + 1, (
         f"5 s after its session ended, with nothing running, the orphaned hold {held} still holds the "
         f"frontier at {released}: the position worker is gone and nothing starts it")
+
+
+# =====================================================================
+# Errors
+# =====================================================================
+
+
+def test_release_ids_with_a_null_element_is_the_callers_error(connect, db, stream):
+    """BREAKS the errors table ("bad argument ... an array that is not a
+    hold of this session" is 22023; XX000 is "an internal query failed (not
+    the caller's fault)"): `release_ids(s, ARRAY[1, NULL])` fails with
+    XX000 "array contains NULL", raised by pgrx's conversion of the
+    argument to `Vec<i64>` before the function runs.
+
+    Fix: take the argument as `Array<i64>` and refuse NULL elements with
+    22004 (null_value_not_allowed) or 22023, as every other bad array."""
+    create_stream(db, stream)
+    holder = connect()
+    ids = hold(holder, stream, "p")
+    err = expect_error(holder, "SELECT streampos.release_ids(%s, ARRAY[%s, NULL]::bigint[])", (stream, ids[0]))
+    assert err.diag.sqlstate in ("22004", "22023"), f"{err.diag.sqlstate}: {err}"
+    release(holder, stream, ids)
