@@ -1186,3 +1186,45 @@ def test_release_ids_with_a_null_element_is_the_callers_error(connect, db, strea
     err = expect_error(holder, "SELECT streampos.release_ids(%s, ARRAY[%s, NULL]::bigint[])", (stream, ids[0]))
     assert err.diag.sqlstate in ("22004", "22023"), f"{err.diag.sqlstate}: {err}"
     release(holder, stream, ids)
+
+
+def test_names_taken_back_by_savepoints_never_fill_the_writers_table(connect, db, stream):
+    """BREAKS the limits table ("writers of a stream: 1 024") and keeps
+    garbage in tokens.
+
+    How: a new writer's first allocation in a subtransaction that rolls
+    back (a plpgsql EXCEPTION block, a savepoint) creates its instance in
+    the subtransaction; the instance row goes with the rollback, the entry
+    stays under the dead id and, at the transaction's COMMIT,
+    `settle_seen` remembers that dead id among the stream's writers. 1 024
+    such transactions fill the table with ids nobody can name: the first
+    real writer of the stream is then refused (54000), and every token
+    taken while anything is in flight carries up to 1 024 dead entries.
+
+    Fix: at the commit, remember only instances that exist (an entry whose
+    instance a rolled-back savepoint took back is not a writer; see also
+    the fixes for the entries under dead ids above)."""
+    create_stream(db, stream)
+    db.execute(f"""
+        DO $$ BEGIN
+          FOR k IN 1..{WRITERS_PER_STREAM} LOOP
+            BEGIN
+              PERFORM streampos.next_id('{stream}', 'ghost' || k);
+              RAISE EXCEPTION 'taken back';
+            EXCEPTION WHEN raise_exception THEN NULL;
+            END;
+            COMMIT;
+          END LOOP;
+        END $$""")
+    assert one(db, "SELECT count(*) FROM streampos.instances WHERE instance_name LIKE 'ghost%%'") == 0
+    holder = connect()
+    holder.execute("BEGIN")
+    try:
+        one(holder, "SELECT streampos.next_id(%s, 'real')", (stream,))
+        refused = None
+    except psycopg.Error as e:
+        refused = f"{e.sqlstate}: {e.diag.message_primary}"
+    text = token_text(db, stream)
+    holder.execute("ROLLBACK")
+    assert refused is None, f"the stream's first real writer: {refused}"
+    assert len(token_entries(text)) <= 1, f"a token with {len(token_entries(text))} entries of dead ids"
