@@ -1228,3 +1228,63 @@ def test_names_taken_back_by_savepoints_never_fill_the_writers_table(connect, db
     holder.execute("ROLLBACK")
     assert refused is None, f"the stream's first real writer: {refused}"
     assert len(token_entries(text)) <= 1, f"a token with {len(token_entries(text))} entries of dead ids"
+
+
+@pytest.mark.parametrize("ending", ["rollback", "savepoint"])
+def test_a_first_allocation_that_rolls_back_keeps_the_frontier_after_a_restart(clusters, ending):
+    """BREAKS invariant 3 ("the frontier ... never goes backwards ...
+    across crashes and restarts too") and "the server itself never reports
+    a position in that range".
+
+    How: a promoted standby B has the lost range (1, 33]. Its first
+    allocation (ID 34) stores the stream's mark *in the allocating
+    transaction*; that transaction rolls back (or the allocation was in a
+    savepoint that rolls back): the mark row is gone, but ID 34 is
+    finished (aborted, durable), so B reports frontier 34. B crashes
+    before its position worker stored that frontier (stored positions
+    stand in for the mark: `have` counts them): at the restart the mark is
+    computed again from the sequence, now at 34 + 32 logged ahead:
+    (have, ceiling] = (1, 66], so B's frontier is 1 — back from 34 — and
+    B refuses (72000) the very position it reported.
+
+    Fix: the mark must be stored whatever becomes of the transaction that
+    first allocates: committed in a transaction of its own (e.g. by the
+    position worker, waited for by the first allocation) and durable
+    before the first ID of the history is; a subtransaction of the
+    allocating transaction is not enough."""
+    pair = clusters.pair()
+    a, b = pair
+    setup_ev(a)
+    kept, lost = lose_commits(pair)
+    # The position worker stores positions at start and at shutdown only,
+    # so that a crash comes before it stores the frontier (it would stand
+    # in for the mark: `have` counts stored frontiers).
+    b.set(streampos__position_interval_ms=60000)
+    b.reload()
+    b.promote()
+    with b.connect() as c:
+        # Another stream's allocation starts the worker, whose first pass
+        # runs at once; the next one is a minute away.
+        c.execute("SELECT streampos.create_stream('warm')")
+        c.execute("SELECT streampos.next_id('warm', 'w1')")
+        time.sleep(1.0)
+        ceiling = c.execute("SELECT last_value FROM streampos.ev_seq").fetchone()[0]
+        c.execute("BEGIN")
+        if ending == "savepoint":
+            c.execute("SAVEPOINT s")
+        first = c.execute("SELECT streampos.next_id('ev', 'w1')").fetchone()[0]
+        c.execute("ROLLBACK" if ending == "rollback" else "ROLLBACK TO SAVEPOINT s")
+        if ending == "savepoint":
+            c.execute("COMMIT")
+        assert first == ceiling + 1
+        reported = c.execute("SELECT streampos.frontier('ev')").fetchone()[0]
+    assert reported == first
+    b.kill()
+    b.start()
+    with b.connect() as c:
+        after = c.execute("SELECT streampos.frontier('ev')").fetchone()[0]
+        got = sqlstate_of(c, "SELECT streampos.updates('ev', %s, timeout_ms => 0)", (str(reported),))
+        marks = c.execute("SELECT have, ceiling FROM streampos.history_marks").fetchall()
+    assert after >= reported and got != RESYNC, (
+        f"B reported frontier {reported}; after a crash restart its frontier is {after} and updates since "
+        f"{reported} -> {got!r} (marks {marks}, original range ({kept[-1]}, {ceiling}])")
