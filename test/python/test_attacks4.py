@@ -1288,3 +1288,37 @@ def test_a_first_allocation_that_rolls_back_keeps_the_frontier_after_a_restart(c
     assert after >= reported and got != RESYNC, (
         f"B reported frontier {reported}; after a crash restart its frontier is {after} and updates since "
         f"{reported} -> {got!r} (marks {marks}, original range ({kept[-1]}, {ceiling}])")
+
+
+def test_an_orphaned_hold_never_sends_other_writers_back(connect, db, stream):
+    """BREAKS invariant 3 ("every writer position never goes backwards ...
+    for snapshots taken later").
+
+    How: a hold of writer `p` (ID 1) holds `p` only: writer `w`, which
+    commits 2 and 3, is at 3 (token m0~w.3). The holding session ends: its
+    hold is folded into the stream's orphan record, which "holds every
+    writer back from its lowest ID" — so `w` drops to 0 in writer_position,
+    writer_positions and tokens for every later snapshot, until the worker
+    releases the orphan.
+
+    Fix: keep the orphan's writer (an orphan record per (stream, writer),
+    or orphaned holds kept as holds of no session), so that an orphan holds
+    what the hold held, never more."""
+    create_stream(db, stream)
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    assert commit_ids(db, stream, "w", 2) == [held + 1, held + 2]
+    # A transaction that runs keeps the orphan from being released while
+    # the later snapshot is taken.
+    running = connect()
+    running.execute("BEGIN")
+    running.execute("SELECT pg_catalog.pg_current_xact_id()")
+    w = one(db, "SELECT streampos.instance_id('w')")
+    before = (one(db, "SELECT streampos.writer_position(%s, 'w')", (stream,)), token_text(db, stream))
+    db.execute("SELECT pg_terminate_backend(%s)", (backend_pid(holder),))
+    wait_until(lambda: [r[1] for r in in_flight(db, stream)] == [None], message="the orphan")
+    after = (one(db, "SELECT streampos.writer_position(%s, 'w')", (stream,)), token_text(db, stream))
+    running.execute("COMMIT")
+    assert before[0] == held + 2 and token_position(before[1], w) == held + 2, before
+    assert after[0] >= before[0] and token_position(after[1], w) >= held + 2, (
+        f"writer w went back when another writer's hold was orphaned: {before} then {after}")
