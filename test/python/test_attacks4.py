@@ -976,9 +976,9 @@ def test_a_promotion_then_a_crash_before_any_use_keeps_the_lost_range(clusters):
 
 
 def test_a_backward_streams_lost_range(clusters):
-    """Withstood: the same for a backward stream (internal numbering counts
-    up): wait_for refuses a lost target, and the frontier never falls in
-    the range."""
+    """Withstood: a backward stream after an asynchronous failover (internal
+    numbering counts up): wait_for refuses a lost target, the frontier
+    never falls in the range, and the first new ID is past it."""
     pair = clusters.pair()
     a, b = pair
     setup_ev(a, backwards=True)
@@ -993,9 +993,56 @@ def test_a_backward_streams_lost_range(clusters):
     b.promote()
     with b.connect() as c:
         assert kept == [-1]
-        assert c.execute("SELECT streampos.frontier('ev')").fetchone()[0] == -1
+        assert c.execute("SELECT streampos.frontier('ev')").fetchone()[0] in (0, -1)
         assert sqlstate_of(c, "SELECT streampos.wait_for('ev', -5, 0)") == RESYNC
         assert c.execute("SELECT streampos.next_id('ev', 'w1')").fetchone()[0] < -32
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_a_lossless_failover_keeps_a_streams_positions(clusters, backwards):
+    """BREAKS, for backward streams, "the server itself never reports a
+    position in that range" / a needless resynchronisation after a failover
+    that lost nothing (forward streams withstand it: the control case).
+
+    How: the lost range's `have` is "the highest ID this server had: a row
+    in the stream's tables, a stored position or a stored frontier". For a
+    backward stream the rows are negative, and `lost_range_at_load` reads
+    them with `table_max_id_at_most` ("one table of a *forward* stream":
+    max(id) where id <= ceiling, not negated), clamped to 0: the rows count
+    for nothing, and only a stored position saves the range. After a
+    failover that lost nothing, rows -1..-5 replicated, whose positions the
+    worker has not stored yet (the last position_interval_ms of commits;
+    here 60 s), the promoted server's backward frontier is 0 where the old
+    primary reported -5, and `wait_for('ev', -3)` — a row it has — is
+    refused with 72000.
+
+    Fix: negate IDs for backward streams there (max(-id) where -id <=
+    ceiling), as `updates` and `check_stream` do for their reads."""
+    pair = clusters.pair(primary_settings={"streampos.position_interval_ms": 60000})
+    a, b = pair
+    setup_ev(a, backwards=backwards)
+    if backwards:
+        with a.connect() as c:
+            c.execute("SELECT streampos.add_table('ev', 'ev'::regclass, 'id', 'writer')")
+    with a.connect() as c:
+        # The worker's first pass (at its start) comes before the rows.
+        c.execute("SELECT streampos.create_stream('warm')")
+        c.execute("SELECT streampos.next_id('warm', 'w1')")
+    time.sleep(1.0)
+    ids = commit_rows(a, 5)
+    with a.connect() as c:
+        reported = c.execute("SELECT streampos.frontier('ev')").fetchone()[0]
+    assert reported == ids[-1]
+    pair.caught_up()
+    a.kill()
+    b.promote()
+    with b.connect() as c:
+        f = c.execute("SELECT streampos.frontier('ev')").fetchone()[0]
+        got = sqlstate_of(c, "SELECT streampos.wait_for('ev', %s, 0)", (ids[2],))
+        marks = c.execute("SELECT have, ceiling FROM streampos.history_marks").fetchall()
+    assert f == reported and got == ids[-1], (
+        f"after a failover that lost nothing, rows {ids} all there: frontier {f} (the old primary "
+        f"reported {reported}), wait_for {ids[2]} -> {got!r}; marks {marks}")
 
 
 # =====================================================================
