@@ -91,7 +91,7 @@ fn lost_ranges_at_load(meta: &StreamMeta, max: i64) -> LostRanges {
 fn have_at_most(meta: &StreamMeta, at_most: i64) -> i64 {
     sql::stream_tables(&meta.name)
         .iter()
-        .filter_map(|t| sql::table_max_id_at_most(t, at_most))
+        .filter_map(|t| sql::table_max_id_at_most(t, at_most, meta.backwards))
         .chain(sql::max_stored_at_most(&meta.name, at_most))
         .max()
         .unwrap_or(0)

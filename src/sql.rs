@@ -1150,18 +1150,53 @@ pub fn table_max_id(table: &StreamTable, backwards: bool) -> Option<i64> {
 
 /// The highest ID at most `ceiling` in one table of a forward stream, with
 /// the caller's snapshot, read as the table's owner (`read_as_owner`).
-pub fn table_max_id_at_most(table: &StreamTable, ceiling: i64) -> Option<i64> {
+pub fn table_max_id_at_most(table: &StreamTable, ceiling: i64, backwards: bool) -> Option<i64> {
     let id = quote_ident(&table.id_column);
-    read_as_owner(table.oid, &[&table.id_column], |name| {
-        select_one(
-            &format!(
+    // Internal numbering counts up for backward streams too: their rows
+    // carry -1, -2, ...
+    let query = |name: &str| {
+        if backwards {
+            format!(
+                "SELECT (OPERATOR(pg_catalog.-) pg_catalog.min(t.{id}))::pg_catalog.int8 FROM {name} t \
+                 WHERE t.{id} OPERATOR(pg_catalog.>=) OPERATOR(pg_catalog.-) $1"
+            )
+        } else {
+            format!(
                 "SELECT pg_catalog.max(t.{id})::pg_catalog.int8 FROM {name} t \
                  WHERE t.{id} OPERATOR(pg_catalog.<=) $1"
-            ),
-            &[ceiling.into()],
-        )
+            )
+        }
+    };
+    read_as_owner_for_extension(table.oid, |name| {
+        select_one(&query(name), &[ceiling.into()])
     })
     .flatten()
+}
+
+/// A read of `rel` the extension needs for itself, whoever calls (the
+/// highest ID a promoted server has, when a stream is first used in a
+/// history that may lack another's): as the owner in a security-restricted
+/// operation, like `read_as_owner`, but without the caller's privileges
+/// (the caller gets nothing of the rows; a reader must not fail because it
+/// happened to be the first to use the stream). A relation that is gone,
+/// or no longer a table, is not read.
+fn read_as_owner_for_extension<T>(rel: pg_sys::Oid, f: impl FnOnce(&str) -> T) -> Option<T> {
+    // SAFETY: as in `read_as_owner`.
+    let (owner, kind) = unsafe {
+        let r = pg_sys::try_relation_open(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        if r.is_null() {
+            return None;
+        }
+        let form = &*(*r).rd_rel;
+        let facts = (form.relowner, form.relkind as u8);
+        pg_sys::relation_close(r, pg_sys::NoLock as pg_sys::LOCKMODE);
+        facts
+    };
+    if !is_table_kind(kind) {
+        return None;
+    }
+    let name = relation_name(rel);
+    Some(as_role(owner, || f(&name)))
 }
 
 /// Refuse (before a follower waits) a caller that `updates` would refuse

@@ -113,7 +113,9 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
         if let Some(i) = locked
             .entries_in_use(slot_index)
             .iter()
-            .position(|a| a.stream == stream_i32 && a.instance == instance && !a.shadow)
+            // The newest one (an allocation may have split it, see
+            // `finish_allocation`).
+            .rposition(|a| a.stream == stream_i32 && a.instance == instance && !a.shadow)
         {
             // The existing entry's minimum is already below anything new,
             // as long as the new IDs are above what was allocated by now.
@@ -275,40 +277,68 @@ pub fn finish_allocation(
             shmem::own_slot_unlocked(slot_index)[allocation.entry]
         }
     };
-    let shift = !earlier.pending && lsn > earlier.lsn;
+    let newer_record = !earlier.pending && lsn > earlier.lsn;
+    // A newer record while the earlier one is not durable yet (a
+    // synchronous standby that has not confirmed it, say): the new IDs go
+    // into an entry of their own, so that neither waits for the other,
+    // while the transaction has entries left (then it waits, as a commit
+    // would). Holds always move on (they are one allocation each).
+    let split = newer_record
+        && !allocation.hold
+        && durable_lsn() < earlier.lsn
+        // SAFETY: the slot is this backend's own.
+        && unsafe { shmem::own_slot_unlocked(slot_index) }
+            .iter()
+            .any(|a| a.stream < 0);
+    let shift = newer_record && !split;
     if shift {
         wait_until_durable(earlier.lsn);
     }
     // Moving the entry's WAL position on: a reader copying the new
     // position with the old `durable_from` would hold every writer back
     // from IDs durable for a while, and answer less than a reader before
-    // it (the seqlock counter moves: such a copy is thrown away).
+    // it (the seqlock counter moves: such a copy is thrown away). A split
+    // only adds an entry (written whole, then counted).
     let locked = Locked::acquire(if shift {
         Section::FinishAllocationShift
     } else {
         Section::FinishAllocation
     })?;
-    let a = if allocation.hold {
-        &mut locked.session_slot(slot_index)[allocation.entry]
+    if split {
+        let i = locked.slot_headers()[slot_index].used as usize;
+        let earlier = locked.slot(slot_index)[allocation.entry];
+        locked.slot(slot_index)[i] = Active {
+            min_id: first,
+            max_id: last,
+            count: ids.len() as i64,
+            lsn,
+            durable_from: first,
+            reserved_seen: false,
+            ..earlier
+        };
+        let header = &mut locked.slot_headers()[slot_index];
+        shmem::publish(&mut header.used, i as u32 + 1);
     } else {
-        &mut locked.slot(slot_index)[allocation.entry]
-    };
-    // In this order, for lock-free readers (this section does not move the
-    // seqlock counter): the WAL position, then where it starts to count,
-    // then the first ID and `pending`, then the highest allocated ID. A
-    // reader that sees the new highest ID sees the rest; one that does
-    // not, stops below these IDs; one that sees the new WAL position with
-    // the old `durable_from` holds more, never less.
-    a.max_id = a.max_id.max(last);
-    a.count += ids.len() as i64;
-    if a.pending {
-        shmem::publish(&mut a.lsn, lsn);
-        shmem::publish(&mut a.durable_from, first);
-        a.min_id = first;
-        shmem::publish(&mut a.pending, false);
-    } else if lsn > a.lsn {
-        shmem::publish(&mut a.lsn, lsn);
-        shmem::publish(&mut a.durable_from, first);
+        let a = if allocation.hold {
+            &mut locked.session_slot(slot_index)[allocation.entry]
+        } else {
+            &mut locked.slot(slot_index)[allocation.entry]
+        };
+        // In this order, for lock-free readers: the WAL position, then
+        // where it starts to count, then the first ID and `pending`, then
+        // the highest allocated ID. A reader that sees the new highest ID
+        // sees the rest; one that does not, stops below these IDs.
+        a.max_id = a.max_id.max(last);
+        a.count += ids.len() as i64;
+        if a.pending {
+            shmem::publish(&mut a.lsn, lsn);
+            shmem::publish(&mut a.durable_from, first);
+            a.min_id = first;
+            shmem::publish(&mut a.pending, false);
+        } else if lsn > a.lsn {
+            shmem::publish(&mut a.lsn, lsn);
+            shmem::publish(&mut a.durable_from, first);
+        }
     }
     let s = &mut locked.streams()[stream];
     let highest = s.max_allocated.max(last);

@@ -699,6 +699,11 @@ def check_contract(txns, answers, backwards=False, limit=10, report=None, t0=0.0
                     break
 
     def asked(a):
+        # A cursor's answer is computed when it is declared (the planner
+        # evaluates frontier() in its WHERE clause for its estimates, with
+        # the cursor's snapshot), before its first FETCH.
+        if a.mode in ("cursor", "long_cursor"):
+            return a.t_snap
         if a.snap is None or a.txn is None:
             return a.t_ans0
         return first_asked.get((a.txn, a.snap), a.t_ans0)
