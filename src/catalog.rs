@@ -186,6 +186,7 @@ pub fn register_invalidation() {
 unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     // SAFETY: a backend-local OID, read only here and where it is set.
     let ours = unsafe { STREAMS_TABLE };
+    crate::sql::relations_changed();
     if relid == pg_sys::InvalidOid || (ours != pg_sys::InvalidOid && relid == ours) {
         CLEAR_ON_NEXT_USE.set(true);
         crate::registry::forget_all_indexes();

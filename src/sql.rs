@@ -27,6 +27,7 @@ use std::ffi::{CStr, CString};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiResult, SpiTupleTable};
+use pgrx::{PgBuiltInOids, PgOid};
 
 use crate::error::Error;
 
@@ -1255,22 +1256,154 @@ impl RowRange<'_> {
     }
 }
 
-/// The IDs of the first `limit` rows of one table that `updates` would
-/// return, in ID order, read with the active snapshot as the table's owner
-/// (`read_as_owner`).
-pub fn row_ids(table: &StreamTable, range: &RowRange, limit: i64) -> Vec<i64> {
+// Statements prepared once and kept (a follower calls `updates` again and
+// again: parsing and planning were most of a call's cost), by their text,
+// which names the relation and its columns. PostgreSQL replans a kept
+// statement when what it depends on changes, with the search path it was
+// prepared with (the pinned one); a relcache invalidation drops them all
+// (`relations_changed`), as a relation renamed, altered or given to
+// another owner changes the text or the role it is run as.
+thread_local! {
+    static KEPT: std::cell::RefCell<crate::fast_hash::FastMap<String, std::rc::Rc<pgrx::spi::OwnedPreparedStatement>>> =
+        std::cell::RefCell::new(crate::fast_hash::FastMap::default());
+    /// Set by the relcache callback, which must not free anything itself.
+    static KEPT_STALE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// At most this many statements are kept per session.
+const MAX_KEPT: usize = 256;
+
+/// A relation changed (relcache invalidation; InvalidOid: any): kept
+/// statements are dropped at their next use. Safe from any callback.
+pub fn relations_changed() {
+    KEPT_STALE.with(|s| s.set(true));
+}
+
+/// Every row of a read-only statement kept for later calls (see `KEPT`),
+/// each converted by `row` from the result's tuple and descriptor.
+fn kept_select<T>(
+    query: &str,
+    types: &[PgOid],
+    args: &[DatumWithOid],
+    mut row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
+) -> Vec<T> {
+    if KEPT_STALE.with(|s| s.replace(false)) {
+        KEPT.with(|k| k.borrow_mut().clear());
+    }
+    // Run with the pinned search path too: from PostgreSQL 17 on, a kept
+    // statement is analysed again with the path current when it runs.
+    with_safe_path(|| {
+        spi(Spi::connect(|client| {
+            let kept = KEPT.with(|k| k.borrow().get(query).cloned());
+            let plan = match kept {
+                Some(plan) => plan,
+                None => {
+                    let plan =
+                        std::rc::Rc::new(with_safe_path(|| client.prepare(query, types))?.keep());
+                    KEPT.with(|k| {
+                        let mut kept = k.borrow_mut();
+                        // Bounded: a session following many tables (or tables
+                        // renamed again and again) starts over.
+                        if kept.len() >= MAX_KEPT {
+                            kept.clear();
+                        }
+                        kept.insert(query.to_string(), plan.clone())
+                    });
+                    plan
+                }
+            };
+            let result = client.select(&*plan, None, args)?;
+            let mut out = Vec::with_capacity(result.len());
+            // SAFETY: the statement just ran in this SPI connection: its tuple
+            // table has `len()` tuples and a descriptor, valid until SPI
+            // finishes; `row` copies out what it keeps.
+            unsafe {
+                let table = pg_sys::SPI_tuptable;
+                if !table.is_null() {
+                    for k in 0..result.len() {
+                        if let Some(v) = row(*(*table).vals.add(k), (*table).tupdesc) {
+                            out.push(v);
+                        }
+                    }
+                }
+            }
+            Ok(out)
+        }))
+    })
+}
+
+/// One row of `updates`' answer: its ID and the row as a jsonb datum in
+/// the caller's memory context.
+pub struct UpdateRow {
+    pub id: i64,
+    json: pg_sys::Datum,
+}
+
+/// The first `limit` (None: all) rows of one table that `updates` returns,
+/// in ID order, read with the active snapshot as the table's owner
+/// (`read_as_owner`); None for a table dropped since the list was read.
+pub fn update_rows(
+    table: &StreamTable,
+    range: &RowRange,
+    limit: Option<i64>,
+) -> Option<Vec<UpdateRow>> {
     let id = quote_ident(&table.id_column);
+    let row = row_json(table);
     let mut args = range.args();
-    args.push(limit.into());
+    args.push(match limit {
+        Some(n) => n.into(),
+        None => DatumWithOid::null::<i64>(),
+    });
+    let types = [
+        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
+        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
+        PgOid::BuiltIn(PgBuiltInOids::TEXTOID),
+        PgOid::BuiltIn(PgBuiltInOids::TEXTOID),
+        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
+    ];
     let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
     read_as_owner(table.oid, &columns, |name| {
         let query = format!(
-            "SELECT t.{id}::pg_catalog.int8 {} ORDER BY t.{id} LIMIT $5",
+            "SELECT t.{id}::pg_catalog.int8, {row} {} ORDER BY t.{id} LIMIT $5",
             rows_in_range(table, name)
         );
-        select_all(&query, &args, |row| row.get::<i64>(1))
+        kept_select(&query, &types, &args, |tuple, desc| {
+            // SAFETY: a tuple of this statement's result, of two columns
+            // (int8, jsonb); the jsonb value is copied into the upper (the
+            // function's) memory context before SPI frees its own.
+            unsafe {
+                let mut null = false;
+                let id = pg_sys::SPI_getbinval(tuple, desc, 1, &mut null);
+                if null {
+                    return None;
+                }
+                let json = pg_sys::SPI_getbinval(tuple, desc, 2, &mut null);
+                (!null).then(|| UpdateRow {
+                    id: id.value() as i64,
+                    json: pg_sys::SPI_datumTransfer(json, false, -1),
+                })
+            }
+        })
     })
-    .unwrap_or_default()
+}
+
+/// A table's row as the JSON array `updates` returns (see `json_column`).
+fn row_json(table: &StreamTable) -> String {
+    // jsonb_build_array takes at most 100 arguments (a table may have up
+    // to 1600 columns): concatenate arrays of 100.
+    let columns: Vec<(&String, &pg_sys::Oid)> = table.columns.iter().zip(&table.types).collect();
+    columns
+        .chunks(100)
+        .map(|chunk| {
+            let values = chunk
+                .iter()
+                .map(|(c, t)| json_column(c, **t))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!("pg_catalog.jsonb_build_array({values})")
+        })
+        .collect::<Vec<_>>()
+        .join(" OPERATOR(pg_catalog.||) ")
 }
 
 /// One column of a row of `updates`' answer as a JSON value. A column of a
@@ -1291,110 +1424,74 @@ fn json_column(column: &str, type_oid: pg_sys::Oid) -> String {
     }
 }
 
-/// The `updates` answer, built by PostgreSQL in its own memory and read
-/// with the active snapshot:
+/// The `updates` answer:
 /// `{"token": …, "limited": …, "data": [[header], row, …, [header], row, …]}`
-/// with, for each table, `[table_name, position, row_count, column_count,
-/// column_name, …]` and then its rows with $1 < id <= $2 (and in range
-/// between the tokens) as JSON arrays, oldest first. Each table's part is
-/// read as its owner (`read_as_owner`); the parts are put together as the
-/// caller.
+/// with, for each table (skipped when `None`: dropped), `[table_name,
+/// position, row_count, column_count, column_name, …]` and then its rows,
+/// oldest first. Built as text in PostgreSQL's memory (rows can be large: an
+/// answer beyond what PostgreSQL can hold is its ERROR, never an abort)
+/// and read back as jsonb.
 pub fn updates_answer(
     tables: &[StreamTable],
-    range: &RowRange,
+    rows: &[Option<Vec<UpdateRow>>],
     token: &str,
     position: i64,
     limited: bool,
 ) -> pg_sys::Datum {
-    let mut parts: Vec<pg_sys::Datum> = Vec::with_capacity(tables.len());
-    for table in tables {
-        let id = quote_ident(&table.id_column);
-        // jsonb_build_array takes at most 100 arguments (a table may have
-        // up to 1600 columns): concatenate arrays of 100.
-        let columns: Vec<(&String, &pg_sys::Oid)> =
-            table.columns.iter().zip(&table.types).collect();
-        let row = columns
-            .chunks(100)
-            .map(|chunk| {
-                let values = chunk
-                    .iter()
-                    .map(|(c, t)| json_column(c, **t))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                format!("pg_catalog.jsonb_build_array({values})")
-            })
-            .collect::<Vec<_>>()
-            .join(" OPERATOR(pg_catalog.||) ");
-        let mut args = range.args();
-        args.push(table.name.clone().into());
-        args.push(position.into());
-        args.push(table.columns.clone().into());
-        let names: Vec<&str> = table.columns.iter().map(String::as_str).collect();
-        let part = read_as_owner(table.oid, &names, |name| {
-            let query = format!(
-                "SELECT pg_catalog.jsonb_build_array( \
-                          pg_catalog.jsonb_build_array($5::pg_catalog.text, $6::pg_catalog.int8, \
-                                                       pg_catalog.count(*), \
-                                                       pg_catalog.cardinality($7::pg_catalog.text[])) \
-                          OPERATOR(pg_catalog.||) pg_catalog.to_jsonb($7::pg_catalog.text[])) \
-                        OPERATOR(pg_catalog.||) \
-                        COALESCE(pg_catalog.jsonb_agg(r.j ORDER BY r.id), '[]'::pg_catalog.jsonb) \
-                 FROM (SELECT t.{id}::pg_catalog.int8 AS id, {row} AS j {}) r",
-                rows_in_range(table, name)
-            );
-            select_datum(&query, &args)
-        })
-        .flatten();
-        // A table dropped since the list was read: skipped, as dropped
-        // tables are.
-        if let Some(part) = part {
-            parts.push(part);
-        }
-    }
-    let mut args: Vec<DatumWithOid> = vec![token.to_string().into(), limited.into()];
-    let mut values = Vec::with_capacity(parts.len());
-    for (n, part) in parts.into_iter().enumerate() {
-        // SAFETY: a jsonb datum copied into this function's memory context
-        // by `select_datum`.
-        args.push(unsafe { DatumWithOid::new(part, pg_sys::JSONBOID) });
-        values.push(format!("({n}, ${}::pg_catalog.jsonb)", n + 3));
-    }
-    let data = if values.is_empty() {
-        "'[]'::pg_catalog.jsonb".to_string()
-    } else {
-        format!(
-            "COALESCE((SELECT pg_catalog.jsonb_agg(e.v ORDER BY u.n, e.k) \
-                       FROM (VALUES {}) AS u(n, a), \
-                            pg_catalog.jsonb_array_elements(u.a) WITH ORDINALITY AS e(v, k)), \
-                      '[]'::pg_catalog.jsonb)",
-            values.join(", ")
-        )
-    };
-    select_datum(
-        &format!(
-            "SELECT pg_catalog.jsonb_build_object('token', $1::pg_catalog.text, \
-                    'limited', $2::pg_catalog.bool, 'data', {data})"
-        ),
-        &args,
-    )
-    .unwrap_or_else(|| Error::Internal("updates() built no answer".into()).report())
-}
-
-/// The first column of the first row of a read-only query, a by-reference
-/// value copied into the caller's memory context (it outlives SPI).
-fn select_datum(query: &str, args: &[DatumWithOid]) -> Option<pg_sys::Datum> {
-    with_safe_path(|| {
-        spi(Spi::connect(|client| {
-            let table = client.select(query, Some(1), args)?;
-            if table.is_empty() {
-                return Ok(None);
+    // SAFETY: a StringInfo in the current memory context, appended to with
+    // PostgreSQL's own functions (an ERROR past 1 GB); every row datum is a
+    // jsonb value in this context, printed by jsonb's output function.
+    unsafe {
+        let buf = pg_sys::makeStringInfo();
+        let append = |text: &str| {
+            pg_sys::appendBinaryStringInfo(buf, text.as_ptr().cast(), text.len() as i32)
+        };
+        append("{\"token\": ");
+        append(&serde_json::Value::from(token).to_string());
+        append(if limited {
+            ", \"limited\": true, \"data\": ["
+        } else {
+            ", \"limited\": false, \"data\": ["
+        });
+        let mut first = true;
+        let separator = |first: &mut bool| {
+            if !*first {
+                append(", ");
             }
-            let datum = table.first().get_datum_by_ordinal(1)?;
-            // SAFETY: a by-reference (varlena) result of this SPI call,
-            // copied into the upper memory context before SPI frees its own.
-            Ok(datum.map(|d| unsafe { pg_sys::SPI_datumTransfer(d, false, -1) }))
-        }))
-    })
+            *first = false;
+        };
+        let jsonb_out = pg_sys::Oid::from(pg_sys::F_JSONB_OUT);
+        for (table, rows) in tables.iter().zip(rows) {
+            let Some(rows) = rows else { continue };
+            let mut header = vec![
+                serde_json::Value::from(table.name.as_str()),
+                serde_json::Value::from(position),
+                serde_json::Value::from(rows.len()),
+                serde_json::Value::from(table.columns.len()),
+            ];
+            header.extend(
+                table
+                    .columns
+                    .iter()
+                    .map(|c| serde_json::Value::from(c.as_str())),
+            );
+            separator(&mut first);
+            append(&serde_json::Value::Array(header).to_string());
+            for row in rows {
+                separator(&mut first);
+                let text = pg_sys::OidOutputFunctionCall(jsonb_out, row.json);
+                pg_sys::appendStringInfoString(buf, text);
+                pg_sys::pfree(text.cast());
+            }
+        }
+        append("]}");
+        pg_sys::OidInputFunctionCall(
+            pg_sys::Oid::from(pg_sys::F_JSONB_IN),
+            (*buf).data,
+            pg_sys::JSONBOID,
+            -1,
+        )
+    }
 }
 
 // ------------------------------------------------------------ position worker

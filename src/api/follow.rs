@@ -232,17 +232,18 @@ fn updates(
         since: &since_text,
         until: &until_text,
     };
-    // One snapshot for both reads (any snapshot that sees the token's
+    // One snapshot for every read (any snapshot that sees the token's
     // commits sees the same rows below it).
     JsonbDatum(with_row_snapshot(|| {
-        // Each table's first limit+1 IDs are enough to find the global first
-        // limit+1 rows in ID order.
-        let mut ids: Vec<i64> = tables
+        // Each table's first limit+1 rows are enough to find the global
+        // first limit+1 rows in ID order.
+        let mut rows: Vec<Option<Vec<sql::UpdateRow>>> = tables
             .iter()
-            .flat_map(|t| sql::row_ids(t, &range, limit as i64 + 1))
+            .map(|t| sql::update_rows(t, &range, Some(limit as i64 + 1)))
             .collect();
+        let mut ids: Vec<i64> = rows.iter().flatten().flatten().map(|r| r.id).collect();
         ids.sort_unstable();
-        let (token, cut, limited) = if ids.len() > limit {
+        let (token, limited) = if ids.len() > limit {
             // Cut at an ID boundary so that no ID is split: rows with id <
             // the first excluded ID. If one ID alone has more rows than the
             // limit, take all of its rows: progress beats the limit.
@@ -252,14 +253,29 @@ fn updates(
             } else {
                 first_excluded
             };
-            (since.advance(&until.bound(cut)).or_raise(), cut, true)
+            for (table, rows) in tables.iter().zip(rows.iter_mut()) {
+                let Some(rows) = rows else { continue };
+                // Complete up to the cut unless this table's read stopped at
+                // its limit on an ID at or below the cut (several rows of
+                // one ID): then read its rows up to the cut again.
+                let complete = rows.len() <= limit || rows.last().is_some_and(|r| r.id > cut);
+                if complete {
+                    rows.retain(|r| r.id <= cut);
+                } else if let Some(all) =
+                    sql::update_rows(table, &sql::RowRange { high: cut, ..range }, None)
+                {
+                    *rows = all;
+                }
+            }
+            // The cut token admits exactly the rows with id <= cut of the
+            // range.
+            (since.advance(&until.bound(cut)).or_raise(), true)
         } else {
-            (until.clone(), high, false)
+            (until.clone(), false)
         };
-        // The cut token admits exactly the rows with id <= cut of the range.
         sql::updates_answer(
             &tables,
-            &sql::RowRange { high: cut, ..range },
+            &rows,
             &token.to_text(TokenKind::MultiWriter),
             token.max_stream_pos(),
             limited,

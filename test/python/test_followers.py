@@ -238,3 +238,86 @@ def test_wait_for_backward_stream(connect, stream, pool):
     assert not future.done()
     writer.execute("COMMIT")
     assert future.result(timeout=10) == -1
+
+
+def test_updates_follows_its_tables_between_calls(connect, stream):
+    """updates() keeps its statements prepared between calls: a column
+    renamed or retyped, a table renamed, dropped and created again, given to
+    another owner, or a caller's hostile search_path changes what the next
+    call reads exactly as if nothing had been kept."""
+    conn = connect()
+    setup_feed(conn, stream)
+
+    def write(body):
+        conn.execute("BEGIN")
+        i = one(conn, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+        conn.execute(f"INSERT INTO {stream}_ev VALUES (%s, 'w1', %s)", (i, body))
+        conn.execute("COMMIT")
+        return i
+
+    def feed(since="0"):
+        answer = one(conn, "SELECT streampos.updates(%s, %s)", (stream, since))
+        headers = [h for h in answer["data"] if isinstance(h[0], str) and h[0].startswith("public.")]
+        return parse_updates(answer)[2], {h[0]: h[4:] for h in headers}
+
+    first = write("a")
+    rows, columns = feed()
+    assert rows[f"public.{stream}_ev"] == [[first, "w1", "a"]]
+    assert columns[f"public.{stream}_ev"] == ["id", "instance_name", "body"]
+
+    conn.execute(f"ALTER TABLE {stream}_ev RENAME COLUMN body TO content")
+    rows, columns = feed()
+    assert columns[f"public.{stream}_ev"] == ["id", "instance_name", "content"]
+    assert rows[f"public.{stream}_ev"] == [[first, "w1", "a"]]
+
+    conn.execute(f"ALTER TABLE {stream}_ev ALTER COLUMN content TYPE integer USING length(content)")
+    rows, _ = feed()
+    assert rows[f"public.{stream}_ev"] == [[first, "w1", 1]]
+
+    conn.execute(f"ALTER TABLE {stream}_ev RENAME TO {stream}_ev2")
+    rows, _ = feed()
+    assert rows[f"public.{stream}_ev2"] == [[first, "w1", 1]] and f"public.{stream}_ev" not in rows
+
+    # The same name again, a new table: the kept statement of the old name
+    # must not read the old one (dropped) or miss the new one.
+    conn.execute(f"ALTER TABLE {stream}_ev2 RENAME TO {stream}_ev")
+    feed()
+    conn.execute(f"DROP TABLE {stream}_ev")
+    conn.execute(f"CREATE TABLE {stream}_ev (id bigint PRIMARY KEY, instance_name text, body text)")
+    conn.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_ev"))
+    second = write("b")
+    rows, _ = feed()
+    assert rows[f"public.{stream}_ev"] == [[second, "w1", "b"]]
+
+    # Another owner whose row security hides a row: the statement runs as
+    # the new owner (forced row security applies to owners).
+    role = f"{stream}_owner"
+    conn.execute(f"CREATE ROLE {role}")
+    conn.execute(f"ALTER TABLE {stream}_ev OWNER TO {role}")
+    conn.execute(f"ALTER TABLE {stream}_ev ENABLE ROW LEVEL SECURITY")
+    conn.execute(f"ALTER TABLE {stream}_ev FORCE ROW LEVEL SECURITY")
+    conn.execute(f"CREATE POLICY hide ON {stream}_ev USING (body <> 'b')")
+    rows, _ = feed()
+    assert rows[f"public.{stream}_ev"] == []
+    conn.execute(f"ALTER TABLE {stream}_ev DISABLE ROW LEVEL SECURITY")
+    rows, _ = feed()
+    assert rows[f"public.{stream}_ev"] == [[second, "w1", "b"]]
+
+    # A caller's search_path with functions and operators shadowing the
+    # ones the statement uses changes nothing.
+    conn.execute(f"CREATE SCHEMA {stream}_evil")
+    conn.execute(
+        f"CREATE FUNCTION {stream}_evil.jsonb_build_array(bigint, text, text) RETURNS jsonb "
+        "LANGUAGE sql AS $$ SELECT '[\"evil\"]'::jsonb $$"
+    )
+    conn.execute(
+        f"CREATE FUNCTION {stream}_evil.evil_le(bigint, bigint) RETURNS boolean "
+        "LANGUAGE sql AS $$ SELECT false $$"
+    )
+    conn.execute(f"CREATE OPERATOR {stream}_evil.<= (FUNCTION = {stream}_evil.evil_le, LEFTARG = bigint, RIGHTARG = bigint)")
+    conn.execute(f"SET search_path = {stream}_evil, public")
+    rows, _ = feed()
+    assert rows[f"public.{stream}_ev"] == [[second, "w1", "b"]]
+    conn.execute("RESET search_path")
+    conn.execute(f"ALTER TABLE {stream}_ev OWNER TO CURRENT_USER")
+    conn.execute(f"DROP ROLE {role}")
