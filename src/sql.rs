@@ -1434,13 +1434,17 @@ pub fn lock_for_pass() -> Option<PassTables> {
 /// a `set_writers` in progress (which deletes removed writers' positions)
 /// is not overtaken, and the positions, read by the next statement's
 /// snapshot, follow its writer list (never bringing a removed writer
-/// back). Neither ever moves back.
-pub fn store_positions(stream: &str, frontier: bool) {
-    run(
-        "SELECT FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1 \
+/// back). Neither ever moves back. False when the stream is gone (dropped
+/// since the pass began).
+pub fn store_positions(stream: &str, frontier: bool) -> bool {
+    let locked = update_one::<bool>(
+        "SELECT true FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1 \
          FOR SHARE NOWAIT",
         &[stream.into()],
     );
+    if locked.is_none() {
+        return false;
+    }
     const POSITIONS: &str =
         "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
            SELECT $1, w.instance_name, w.stream_id FROM streampos.writer_positions($1) w \
@@ -1451,7 +1455,7 @@ pub fn store_positions(stream: &str, frontier: bool) {
     if !frontier {
         // 0.2.0's catalog, until ALTER EXTENSION streampos UPDATE.
         run(POSITIONS, &[stream.into()]);
-        return;
+        return true;
     }
     run(
         &format!(
@@ -1464,6 +1468,7 @@ pub fn store_positions(stream: &str, frontier: bool) {
         ),
         &[stream.into()],
     );
+    true
 }
 
 /// Longest token a notification carries: NOTIFY payloads must stay under

@@ -23,6 +23,12 @@ thread_local! {
     static LAST_CHECK: std::cell::Cell<pg_sys::TimestampTz> = const { std::cell::Cell::new(0) };
 }
 
+/// The next `ensure_running` checks, whenever the last check was (the
+/// worker leaves when the extension is dropped). Safe from any callback.
+pub fn check_soon() {
+    LAST_CHECK.with(|c| c.set(0));
+}
+
 /// Start this database's worker unless it runs. Checked at most once a
 /// second per backend, as this is on every allocation's path; returns
 /// whether it checked (callers piggyback other once-a-second work on it).
@@ -81,7 +87,6 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
     // is free for the next worker of any database.
     // SAFETY: registers a callback for this process's exit.
     unsafe { pg_sys::before_shmem_exit(Some(on_worker_exit), arg) };
-    yield_locks_quickly();
     let mut state = WorkerState::new();
     let mut last_store: Option<Instant> = None;
     loop {
@@ -103,7 +108,7 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
             let pass_state = std::panic::AssertUnwindSafe(&mut state);
             let outcome = BackgroundWorker::transaction(move || {
                 let pass_state = pass_state;
-                pass(db, pass_state.0)
+                yielding_locks(|| pass(db, pass_state.0))
             });
             match outcome {
                 Pass::ExtensionGone => break,
@@ -138,24 +143,35 @@ unsafe extern "C-unwind" fn on_worker_exit(_code: i32, arg: pg_sys::Datum) {
     registry::release_worker_slot(pg_sys::Oid::from(arg.value() as u32));
 }
 
-/// Longest the worker waits for a lock it did not take at the start of its
-/// pass (a row of `stream_positions`, a system catalog): shorter than
+/// Longest the worker's pass waits for a lock it did not take at its start
+/// (a row of `stream_positions`, a system catalog): shorter than
 /// `deadlock_timeout`, so that it gives up before anyone waiting for it
 /// checks for a deadlock.
 const LOCK_TIMEOUT: &std::ffi::CStr = c"100ms";
 
-/// The worker never waits long for a lock: it yields to the operator's
-/// command (see docs/design.md, "The position worker's locks").
-fn yield_locks_quickly() {
-    // SAFETY: sets a setting of this process, outside any transaction, as
-    // its configuration would.
+/// Run the pass `f` with `lock_timeout` at `LOCK_TIMEOUT`: the worker never
+/// waits long for a lock, it yields to the operator's command (see
+/// docs/design.md, "The position worker's locks"). Restored before the
+/// commit, which may queue for NOTIFY's lock behind other databases'
+/// commits (no command waits for the worker there) and must not fail.
+fn yielding_locks<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: a GUC nest level is opened and closed around `f`; on ERROR,
+    // transaction abort unwinds GUC nest levels itself.
     unsafe {
-        pg_sys::SetConfigOption(
+        let level = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
             c"lock_timeout".as_ptr(),
             LOCK_TIMEOUT.as_ptr(),
             pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
         );
+        let value = f();
+        pg_sys::AtEOXact_GUC(true, level);
+        value
     }
 }
 
@@ -384,8 +400,12 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
             quiet = false;
             let name = meta.name.clone();
             let what = format!("storing the positions of stream \"{name}\"");
-            if in_subtransaction(&what, || sql::store_positions(&name, tables.frontiers)).is_some()
-            {
+            let stored = in_subtransaction(&what, || sql::store_positions(&name, tables.frontiers));
+            if stored == Some(false) {
+                // Dropped since the pass began.
+                continue;
+            }
+            if stored.is_some() {
                 let what = format!("notifying the positions of stream \"{name}\"");
                 in_subtransaction(&what, || sql::notify_positions(&name));
                 state.written.insert(key, token);
