@@ -160,12 +160,18 @@ pub fn generations_of(db: pg_sys::Oid) -> Vec<(usize, u64)> {
 
 /// The position worker of database `db` leaves if it has nothing to do:
 /// nothing of the database in flight (a transaction's IDs, a hold, orphaned
-/// holds) and no stream's generation moved since `generations`. In one
+/// holds), no finished IDs of it waiting to be durable (they move positions
+/// when the WAL is flushed, which moves no generation: an asynchronous
+/// commit, a synchronous standby behind), and no stream's generation moved
+/// since `generations`. In one
 /// section with freeing its slot, so that an allocation either registers
 /// first (and the worker stays) or finds the slot free afterwards (and
 /// starts a new worker: `worker::ensure_running` runs after the
 /// allocation's entry is published). True when it left.
 pub fn leave_if_idle(db: pg_sys::Oid, generations: &[(usize, u64)]) -> bool {
+    // Read before the lock: a durable point read earlier is lower, which
+    // only keeps the worker.
+    let durable = super::visibility::durable_lsn();
     let Ok(locked) = Locked::acquire(Section::OtherExclusive) else {
         return false;
     };
@@ -193,9 +199,16 @@ pub fn leave_if_idle(db: pg_sys::Oid, generations: &[(usize, u64)]) -> bool {
         .map(|(i, s)| (i, s.generation))
         .collect();
     if now != generations
-        || streams
-            .iter()
-            .any(|s| s.in_use && s.db == db && s.orphans.valid)
+        || streams.iter().any(|s| {
+            s.in_use && s.db == db && (s.orphans.valid || (s.summary.valid && s.summary.lsn > durable))
+        })
+    {
+        return false;
+    }
+    if locked.h().ring_lsn_max > durable
+        && locked
+            .ring_entries()
+            .any(|f| f.lsn > durable && mine(f.stream))
     {
         return false;
     }
