@@ -200,7 +200,9 @@ pub fn leave_if_idle(db: pg_sys::Oid, generations: &[(usize, u64)]) -> bool {
         .collect();
     if now != generations
         || streams.iter().any(|s| {
-            s.in_use && s.db == db && (s.orphans.valid || (s.summary.valid && s.summary.lsn > durable))
+            s.in_use
+                && s.db == db
+                && (s.orphans.valid || (s.summary.valid && s.summary.lsn > durable))
         })
     {
         return false;
