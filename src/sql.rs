@@ -734,8 +734,25 @@ pub fn max_stored_at_most(stream: &str, at_most: i64) -> Option<i64> {
     )
 }
 
-/// The stream's marks, of every history: (history, have, ceiling).
+/// Does the extension's table `name` exist? (A database not yet updated
+/// from 0.2.0 lacks the tables 0.3.0 added.)
+fn catalog_table_exists(name: &CStr) -> bool {
+    // SAFETY: catalog lookups that return InvalidOid for what does not
+    // exist; they raise no error.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
+        nsp != pg_sys::InvalidOid
+            && pg_sys::get_relname_relid(name.as_ptr(), nsp) != pg_sys::InvalidOid
+    }
+}
+
+/// The stream's marks, of every history: (history, have, ceiling). None in
+/// a database not yet updated from 0.2.0 (no `history_marks`: it keeps
+/// working with the new library, as before).
 pub fn history_marks(stream: &str) -> Vec<(u64, i64, i64)> {
+    if !catalog_table_exists(c"history_marks") {
+        return Vec::new();
+    }
     select_all(
         "SELECT m.history, m.have, m.ceiling FROM streampos.history_marks m \
          WHERE m.stream_name OPERATOR(pg_catalog.=) $1",
