@@ -38,7 +38,15 @@ Variants:
           reads only: the registry has a backend slot per connection, and a
           reader's work must not grow with them.
 
+With statistics and without (--compare PATH): the extension is built with
+the cargo feature `stats` (the counters of the writers' and readers' paths)
+and, for this comparison, without it (PATH: that build's streampos.so). The
+variants of --compare-variants are measured with each library in turn
+(swapped into the server's library directory between runs: single-user
+backends load it afresh), side by side, and the installed one is put back.
+
 Usage: bench/callgrind.py --pg-bin DIR [--n 200,400,800] [--out FILE]
+                          [--compare PATH [--compare-variants quiet,pinned]]
 """
 import argparse
 import os
@@ -191,6 +199,74 @@ def profile(root, variant, shape, baseline, n, top=15):
     return lines
 
 
+def pkglibdir(pg_bin):
+    return subprocess.run([os.path.join(pg_bin, "pg_config"), "--pkglibdir"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def use_library(pg_bin, path):
+    """Install the library at `path` as the server's streampos.so. Unlinked
+    first: a running server that has the old one mapped keeps it."""
+    target = os.path.join(pkglibdir(pg_bin), "streampos.so")
+    if os.path.exists(target):
+        os.unlink(target)
+    shutil.copy(path, target)
+
+
+def measure_variant(args, root, vname, counts, label_prefix=""):
+    """Instructions per transaction of each shape of variant `vname`:
+    {shape: [per N]}, printing a row per shape."""
+    variant = VARIANTS[vname]
+    template = make_template(args.pg_bin, root, label_prefix + vname, variant)
+    per_txn = {}
+    lines = []
+    for shape, statement in SHAPES.items():
+        if shape not in variant.get("shapes", SHAPES):
+            continue
+        label = f"{label_prefix}{vname} {shape}"
+        base = instructions(args.pg_bin, root, template, variant["preamble"], statement, 0, label)
+        per_txn[shape] = [
+            (instructions(args.pg_bin, root, template, variant["preamble"], statement, n, label) - base) / n
+            for n in counts
+        ]
+        line = f"| {vname} | {shape} | " + ", ".join(f"{x:,.0f}" for x in per_txn[shape]) + \
+            f" | {statistics.median(per_txn[shape]):,.0f} |"
+        lines.append(line)
+        print(label_prefix + line, flush=True)
+    return per_txn, lines
+
+
+def compare(args, root, counts):
+    """The variants of --compare-variants with the installed library (with
+    statistics) and the one at --compare (without), side by side."""
+    installed = os.path.join(root, "streampos-installed.so")
+    shutil.copy(os.path.join(pkglibdir(args.pg_bin), "streampos.so"), installed)
+    lines = [
+        "",
+        "#### With and without statistics",
+        "",
+        "The same statements with the extension built with the cargo feature `stats` (the default: "
+        "what the writers' and readers' paths count) and without it, measured in this run "
+        f"(N = {', '.join(map(str, counts))}; medians over N).",
+        "",
+        "| variant | statement | with statistics | without | with / without | difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    try:
+        for vname in args.compare_variants.split(","):
+            measured = {}
+            for name, path in [("with", installed), ("without", args.compare)]:
+                use_library(args.pg_bin, path)
+                measured[name], _ = measure_variant(args, root, vname, counts, label_prefix=f"{name} ")
+            for shape in measured["with"]:
+                w = statistics.median(measured["with"][shape])
+                wo = statistics.median(measured["without"][shape])
+                lines.append(f"| {vname} | {shape} | {w:,.0f} | {wo:,.0f} | {w / wo:.4f} | {w - wo:+,.0f} |")
+    finally:
+        use_library(args.pg_bin, installed)
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pg-bin", required=True)
@@ -200,6 +276,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the per-function profile of the ratios that miss their goal")
+    ap.add_argument("--compare", help="streampos.so built without statistics, measured side by side")
+    ap.add_argument("--compare-variants", default="quiet,pinned")
     args = ap.parse_args()
     counts = [int(x) for x in args.n.split(",")]
     started = time.monotonic()
@@ -222,22 +300,8 @@ def main():
     ]
     profile_lines = []
     for vname in args.variants.split(","):
-        variant = VARIANTS[vname]
-        template = make_template(args.pg_bin, root, vname, variant)
-        per_txn = {}
-        for shape, statement in SHAPES.items():
-            if shape not in variant.get("shapes", SHAPES):
-                continue
-            label = f"{vname} {shape}"
-            base = instructions(args.pg_bin, root, template, variant["preamble"], statement, 0, label)
-            per_txn[shape] = [
-                (instructions(args.pg_bin, root, template, variant["preamble"], statement, n, label) - base) / n
-                for n in counts
-            ]
-            line = f"| {vname} | {shape} | " + ", ".join(f"{x:,.0f}" for x in per_txn[shape]) + \
-                f" | {statistics.median(per_txn[shape]):,.0f} |"
-            lines.append(line)
-            print(line, flush=True)
+        per_txn, shape_lines = measure_variant(args, root, vname, counts)
+        lines += shape_lines
         for shape, baseline, goal in RATIOS:
             if shape not in per_txn:
                 continue
@@ -254,6 +318,8 @@ def main():
             ):
                 profile_lines += profile(root, vname, shape, baseline, max(counts))
     lines += ratio_lines + profile_lines
+    if args.compare:
+        lines += compare(args, root, counts)
     lines += ["", f"Run time: {time.monotonic() - started:.0f} s.", ""]
     report = "\n".join(lines) + "\n"
     print(report)

@@ -22,6 +22,12 @@ its rows at or below it are checked against what every later snapshot sees.
 Many streams: 16 clients, each the only writer of a stream of its own,
 against the floor with one sequence per client.
 
+With and without statistics (--part stats, --compare PATH): streampos built
+with the cargo feature `stats` (the default) and without it (PATH: that
+build's streampos.so), each round restarting the server with one library
+and then the other (in an order that rotates): writers (1 × 1, 8 × 1,
+32 × 4) and frontier() readers under writers, as above.
+
 Every ratio is computed round by round (each round measures the shape and
 its baseline back to back, in an order that rotates from round to round)
 and reported as the median of the rounds with their range (min-max), so
@@ -30,6 +36,7 @@ that a cost smaller than the noise shows as a range that straddles 1.
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -319,6 +326,66 @@ class Bench:
         return rows
 
 
+class Libraries:
+    """Swap the server's streampos.so between builds and restart it (a
+    preloaded library is read at start-up only)."""
+
+    def __init__(self, args, bench):
+        self.args, self.bench = args, bench
+        self.libdir = subprocess.run([os.path.join(args.pg_bin, "pg_config"), "--pkglibdir"],
+                                     capture_output=True, text=True, check=True).stdout.strip()
+        self.paths = {"with": os.path.join(bench.dir, "streampos-with-stats.so"), "without": args.compare}
+        shutil.copy(os.path.join(self.libdir, "streampos.so"), self.paths["with"])
+
+    def pg_ctl(self, *args):
+        cmd = [os.path.join(self.args.pg_bin, "pg_ctl"), "-D", self.args.pgdata, *args]
+        if os.geteuid() == 0:
+            cmd = ["runuser", "-u", "postgres", "--"] + cmd
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+    def use(self, name):
+        self.pg_ctl("-m", "fast", "-w", "-t", "60", "stop")
+        target = os.path.join(self.libdir, "streampos.so")
+        # Unlinked first: never overwrite a library a process has mapped.
+        os.unlink(target)
+        shutil.copy(self.paths[name], target)
+        self.pg_ctl("-l", os.path.join(self.args.pgdata, "server.log"), "-w", "-t", "60", "start")
+
+
+STATS_CELLS = [("writers", 1, 1), ("writers", 8, 1), ("writers", 32, 4), ("frontier() readers", 8, 4)]
+
+
+def stats_cells(bench, args):
+    """streampos with and without the statistics' counters, interleaved
+    round by round; returns rows (cell, TPS with, TPS without, ratios)."""
+    libs = Libraries(args, bench)
+    writer = bench.script("streampos", WRITER_SHAPES["streampos"])
+    reader = bench.script("frontier()", READER_SHAPES["frontier()"])
+    tps = {(cell, lib): [] for cell in STATS_CELLS for lib in ("with", "without")}
+    try:
+        for round_ in range(args.rounds):
+            for lib in rotated(("with", "without"), round_):
+                libs.use(lib)
+                for cell in STATS_CELLS:
+                    kind, clients, writers = cell
+                    bench.reset()
+                    if kind == "writers":
+                        t, _ = bench.pgbench(writer, clients, args.seconds, writers)
+                    else:
+                        (t, _), _ = bench.with_load(writer, 8, writers, reader, clients, args.seconds)
+                    tps[(cell, lib)].append(t)
+            print(f"  statistics, round {round_ + 1}: " + ", ".join(
+                f"{c[0]} {c[1]}x{c[2]} {tps[(c, 'with')][-1]:.0f}/{tps[(c, 'without')][-1]:.0f}"
+                for c in STATS_CELLS), flush=True)
+    finally:
+        libs.use("with")
+    return [
+        (cell, statistics.median(tps[(cell, "with")]), statistics.median(tps[(cell, "without")]),
+         [w / wo for w, wo in zip(tps[(cell, "with")], tps[(cell, "without")])])
+        for cell in STATS_CELLS
+    ]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", default="127.0.0.1")
@@ -329,7 +396,11 @@ def main():
     ap.add_argument("--hold", type=int, default=30, help="old snapshot: seconds held open, at least")
     ap.add_argument("--prefill", type=int, default=8, help="old snapshot: seconds of writers alone first")
     ap.add_argument("--pgbench", default="/usr/lib/postgresql/15/bin/pgbench")
-    ap.add_argument("--part", choices=["writers", "readers", "old-snapshot", "many-streams"], required=True)
+    ap.add_argument("--part", choices=["writers", "readers", "old-snapshot", "many-streams", "stats"],
+                    required=True)
+    ap.add_argument("--compare", help="--part stats: streampos.so built without statistics")
+    ap.add_argument("--pg-bin", help="--part stats: the server's bin directory (pg_ctl, pg_config)")
+    ap.add_argument("--pgdata", help="--part stats: the server's data directory (restarted)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -371,6 +442,16 @@ def main():
             out.write("\n")
             if not all(c["correct"] for c in checks):
                 sys.exit("old snapshot: a frontier past a row the snapshot does not see")
+        elif args.part == "stats":
+            rows = stats_cells(bench, args)
+            out.write("### With and without statistics (TPS, median of interleaved rounds)\n\n")
+            out.write("streampos built with the cargo feature `stats` (the default) and without it, "
+                      "the server restarted with one then the other in each round.\n\n")
+            out.write("| shape | clients | writers | TPS with | TPS without | with / without (range) |\n")
+            out.write("|---|---|---|---|---|---|\n")
+            for (kind, clients, writers), w, wo, ratios in rows:
+                out.write(f"| {kind} | {clients} | {writers} | {w:.0f} | {wo:.0f} | {fmt_ratio(ratios)} |\n")
+            out.write("\n")
         else:
             rows = bench.many_streams_cell()
             out.write(f"### Many streams: {N_STREAMS} clients, each the only writer of its own stream\n\n")

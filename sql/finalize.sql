@@ -222,6 +222,14 @@ REVOKE EXECUTE ON FUNCTION drop_stream(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION instance_id(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION adopt_synapse(name) FROM PUBLIC;
 
+-- Statistics, in shared memory since start-up (the README, "Monitoring").
+-- Every role may read them (another role's pid only as in_flight() shows
+-- it); resetting them is not for PUBLIC, as pg_stat_reset().
+CREATE VIEW stat_streams AS SELECT * FROM stat_get_streams();
+CREATE VIEW stat_registry AS SELECT * FROM stat_get_registry();
+GRANT SELECT ON stat_streams, stat_registry TO PUBLIC;
+REVOKE EXECUTE ON FUNCTION stat_reset() FROM PUBLIC;
+
 -- Comments: what each object is for, as \df+ and \dT+ show them.
 COMMENT ON TYPE room_stream_token IS
     'Synapse RoomStreamToken: s{stream}, t{topological}-{stream}, or m{stream}~{instance_id}.{pos}~…';
@@ -299,3 +307,11 @@ COMMENT ON FUNCTION wait_for(text, bigint, integer) IS
     'Sleep until the frontier reaches stream_id or the timeout passes; returns the frontier';
 COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer) IS
     'Replication feed: rows of the stream''s tables newer than since, with the token to continue from';
+COMMENT ON FUNCTION stat_get_streams() IS 'Statistics of each stream of this database (see the view stat_streams)';
+COMMENT ON FUNCTION stat_get_registry() IS 'Statistics of the in-flight registry (see the view stat_registry)';
+COMMENT ON FUNCTION stat_reset() IS
+    'Start the counters of this database''s streams, and the registry''s, again from zero';
+COMMENT ON VIEW stat_streams IS
+    'Per stream: IDs allocated, commits and rollbacks, lag of the frontier and of the stored positions, what is in flight, followers waiting; since start-up';
+COMMENT ON VIEW stat_registry IS
+    'The in-flight registry: streams loaded, finished ring use and folds, lock-free readers'' retries; since start-up';

@@ -81,3 +81,61 @@ LANGUAGE c
 AS 'MODULE_PATHNAME', 'is_position_worker_wrapper';
 COMMENT ON FUNCTION @extschema@.is_position_worker(integer) IS
     'Whether pid (a notification''s sender) is this database''s position worker';
+
+-- Statistics, in shared memory since start-up (the README, "Monitoring").
+CREATE FUNCTION streampos."stat_get_registry"() RETURNS TABLE (
+	"streams_loaded" INT,
+	"streams_used" INT,
+	"streams_dropped" INT,
+	"streams_max" INT,
+	"ring_used" bigint,
+	"ring_used_max" bigint,
+	"ring_size" bigint,
+	"ring_folds" bigint,
+	"reader_retries" bigint,
+	"reader_lock_fallbacks" bigint,
+	"position_workers" INT,
+	"stats_reset" timestamp with time zone
+)
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_get_registry_wrapper';
+CREATE FUNCTION streampos."stat_get_streams"() RETURNS TABLE (
+	"stream_name" TEXT,
+	"ids_allocated" bigint,
+	"xact_commit" bigint,
+	"xact_rollback" bigint,
+	"max_allocated" bigint,
+	"frontier" bigint,
+	"frontier_lag_ids" bigint,
+	"frontier_lag_seconds" double precision,
+	"ids_in_flight" bigint,
+	"oldest_in_flight_seconds" double precision,
+	"oldest_in_flight_pid" INT,
+	"oldest_in_flight_instance" TEXT,
+	"followers_waiting" INT,
+	"last_store" timestamp with time zone,
+	"stored_frontier" bigint,
+	"store_lag_ids" bigint,
+	"store_lag_seconds" double precision,
+	"stats_reset" timestamp with time zone
+)
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_get_streams_wrapper';
+CREATE FUNCTION streampos."stat_reset"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_reset_wrapper';
+CREATE VIEW streampos.stat_streams AS SELECT * FROM streampos.stat_get_streams();
+CREATE VIEW streampos.stat_registry AS SELECT * FROM streampos.stat_get_registry();
+GRANT SELECT ON streampos.stat_streams, streampos.stat_registry TO PUBLIC;
+REVOKE EXECUTE ON FUNCTION streampos.stat_reset() FROM PUBLIC;
+COMMENT ON FUNCTION streampos.stat_get_streams() IS 'Statistics of each stream of this database (see the view stat_streams)';
+COMMENT ON FUNCTION streampos.stat_get_registry() IS 'Statistics of the in-flight registry (see the view stat_registry)';
+COMMENT ON FUNCTION streampos.stat_reset() IS
+    'Start the counters of this database''s streams, and the registry''s, again from zero';
+COMMENT ON VIEW streampos.stat_streams IS
+    'Per stream: IDs allocated, commits and rollbacks, lag of the frontier and of the stored positions, what is in flight, followers waiting; since start-up';
+COMMENT ON VIEW streampos.stat_registry IS
+    'The in-flight registry: streams loaded, finished ring use and folds, lock-free readers'' retries; since start-up';

@@ -806,6 +806,59 @@ AS 'MODULE_PATHNAME', 'set_writers_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+CREATE  FUNCTION "stat_get_registry"() RETURNS TABLE (
+	"streams_loaded" INT, 
+	"streams_used" INT, 
+	"streams_dropped" INT, 
+	"streams_max" INT, 
+	"ring_used" bigint, 
+	"ring_used_max" bigint, 
+	"ring_size" bigint, 
+	"ring_folds" bigint, 
+	"reader_retries" bigint, 
+	"reader_lock_fallbacks" bigint, 
+	"position_workers" INT, 
+	"stats_reset" timestamp with time zone 
+)
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_get_registry_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
+CREATE  FUNCTION "stat_get_streams"() RETURNS TABLE (
+	"stream_name" TEXT, 
+	"ids_allocated" bigint, 
+	"xact_commit" bigint, 
+	"xact_rollback" bigint, 
+	"max_allocated" bigint, 
+	"frontier" bigint, 
+	"frontier_lag_ids" bigint, 
+	"frontier_lag_seconds" double precision, 
+	"ids_in_flight" bigint, 
+	"oldest_in_flight_seconds" double precision, 
+	"oldest_in_flight_pid" INT, 
+	"oldest_in_flight_instance" TEXT, 
+	"followers_waiting" INT, 
+	"last_store" timestamp with time zone, 
+	"stored_frontier" bigint, 
+	"store_lag_ids" bigint, 
+	"store_lag_seconds" double precision, 
+	"stats_reset" timestamp with time zone 
+)
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_get_streams_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
+CREATE  FUNCTION "stat_reset"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_reset_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "stream_pos"(
 	"token" multi_writer_token
 ) RETURNS bigint
@@ -1118,6 +1171,14 @@ REVOKE EXECUTE ON FUNCTION drop_stream(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION instance_id(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION adopt_synapse(name) FROM PUBLIC;
 
+-- Statistics, in shared memory since start-up (the README, "Monitoring").
+-- Every role may read them (another role's pid only as in_flight() shows
+-- it); resetting them is not for PUBLIC, as pg_stat_reset().
+CREATE VIEW stat_streams AS SELECT * FROM stat_get_streams();
+CREATE VIEW stat_registry AS SELECT * FROM stat_get_registry();
+GRANT SELECT ON stat_streams, stat_registry TO PUBLIC;
+REVOKE EXECUTE ON FUNCTION stat_reset() FROM PUBLIC;
+
 -- Comments: what each object is for, as \df+ and \dT+ show them.
 COMMENT ON TYPE room_stream_token IS
     'Synapse RoomStreamToken: s{stream}, t{topological}-{stream}, or m{stream}~{instance_id}.{pos}~…';
@@ -1195,5 +1256,13 @@ COMMENT ON FUNCTION wait_for(text, bigint, integer) IS
     'Sleep until the frontier reaches stream_id or the timeout passes; returns the frontier';
 COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer) IS
     'Replication feed: rows of the stream''s tables newer than since, with the token to continue from';
+COMMENT ON FUNCTION stat_get_streams() IS 'Statistics of each stream of this database (see the view stat_streams)';
+COMMENT ON FUNCTION stat_get_registry() IS 'Statistics of the in-flight registry (see the view stat_registry)';
+COMMENT ON FUNCTION stat_reset() IS
+    'Start the counters of this database''s streams, and the registry''s, again from zero';
+COMMENT ON VIEW stat_streams IS
+    'Per stream: IDs allocated, commits and rollbacks, lag of the frontier and of the stored positions, what is in flight, followers waiting; since start-up';
+COMMENT ON VIEW stat_registry IS
+    'The in-flight registry: streams loaded, finished ring use and folds, lock-free readers'' retries; since start-up';
 /* </end connected objects> */
 

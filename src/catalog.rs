@@ -190,6 +190,9 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     if relid == pg_sys::InvalidOid || (ours != pg_sys::InvalidOid && relid == ours) {
         CLEAR_ON_NEXT_USE.set(true);
         crate::registry::forget_all_indexes();
+        // The extension may have been dropped (its worker then left) and
+        // created again: the next allocation looks for a worker at once.
+        crate::worker::check_soon();
     }
 }
 

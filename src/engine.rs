@@ -219,9 +219,6 @@ pub fn allocate(stream: &str, writer: &str, n: i32, hold: bool) -> Vec<i64> {
     let (meta, sequence) = current_stream(stream, writer);
     let instance = catalog::instance_id(writer).or_raise();
     record_history_mark(&meta);
-    if worker::ensure_running() {
-        registry::prune_if_crowded().or_raise();
-    }
     // Visibility checks compare against this xid.
     // SAFETY: assigns (or returns) this transaction's top xid; may raise an
     // ERROR, which is fine here.
@@ -239,9 +236,16 @@ pub fn allocate(stream: &str, writer: &str, n: i32, hold: bool) -> Vec<i64> {
         })?
         .map(|allocation| (index, allocation)))
     });
+    // After the entry is published: a position worker that leaves for want
+    // of work either sees it first (and stays) or has freed its slot by
+    // now (and this starts a new one; see `registry::leave_if_idle`).
+    let checked = worker::ensure_running();
     guc::test_pause_in_allocation();
     let (mut ids, lsn) = sequence.next_values(n);
     registry::finish_allocation(index, allocation, &ids, lsn).or_raise();
+    if checked {
+        registry::prune_if_crowded().or_raise();
+    }
     if meta.backwards {
         ids.iter_mut().for_each(|id| *id = -*id);
     }

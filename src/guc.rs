@@ -14,6 +14,10 @@ pub static MAX_HELD_PER_SESSION: GucSetting<i32> = GucSetting::<i32>::new(64);
 pub static FINISHED_RING_SIZE: GucSetting<i32> = GucSetting::<i32>::new(65536);
 /// How often the background worker writes `streampos.stream_positions`.
 pub static POSITION_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(200);
+/// The position worker logs a WARNING about a transaction (or hold) that
+/// has held a stream's frontier back this long, and a LOG line when it
+/// ends; 0: never.
+pub static LOG_HELD_BACK_AFTER_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 /// Test builds only (feature `test-hooks`): sleep between publishing the
 /// lower bound and calling nextval, to prove that readers respect the lower
 /// bound.
@@ -109,6 +113,16 @@ fn define_runtime() {
         &POSITION_INTERVAL_MS,
         10,
         60_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"streampos.log_held_back_after",
+        c"Logs a warning about a transaction or hold that has held a stream's frontier back this long (0: never).",
+        c"The position worker logs it once, and once more when it ends.",
+        &LOG_HELD_BACK_AFTER_MS,
+        0,
+        i32::MAX,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );

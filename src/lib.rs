@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `registry/` | shared memory: the in-flight registry (see its `mod.rs`) |
 //! | `xact.rs` | transaction callbacks |
-//! | `worker.rs` | the background position worker |
+//! | `worker.rs`, `held_back.rs` | the background position worker; its held-back warnings |
 //! | `engine.rs` | allocation and per-statement views between the SQL API and the registry |
 //! | `api/` | the SQL functions of streams, writing, reading, followers, checks |
 //! | `types.rs` | the token types (varlena I/O, operators' functions) |
@@ -30,6 +30,7 @@ mod error;
 mod fast_hash;
 mod ffi;
 mod guc;
+mod held_back;
 mod registry;
 mod sequence;
 mod sql;

@@ -735,8 +735,25 @@ pub fn max_stored_at_most(stream: &str, at_most: i64) -> Option<i64> {
     )
 }
 
-/// The stream's marks, of every history: (history, have, ceiling).
+/// Does the extension's table `name` exist? (A database not yet updated
+/// from 0.2.0 lacks the tables 0.3.0 added.)
+fn catalog_table_exists(name: &CStr) -> bool {
+    // SAFETY: catalog lookups that return InvalidOid for what does not
+    // exist; they raise no error.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
+        nsp != pg_sys::InvalidOid
+            && pg_sys::get_relname_relid(name.as_ptr(), nsp) != pg_sys::InvalidOid
+    }
+}
+
+/// The stream's marks, of every history: (history, have, ceiling). None in
+/// a database not yet updated from 0.2.0 (no `history_marks`: it keeps
+/// working with the new library, as before).
 pub fn history_marks(stream: &str) -> Vec<(u64, i64, i64)> {
+    if !catalog_table_exists(c"history_marks") {
+        return Vec::new();
+    }
     select_all(
         "SELECT m.history, m.have, m.ceiling FROM streampos.history_marks m \
          WHERE m.stream_name OPERATOR(pg_catalog.=) $1",
@@ -1505,33 +1522,102 @@ pub fn extension_present() -> bool {
     .is_some()
 }
 
-/// Store one stream's positions and frontier (the same a reader in this
-/// snapshot gets: one statement, one snapshot, so the frontier is never
-/// above a position stored with it). Run by the position worker. The
-/// stream's row is share-locked first: a `set_writers` in progress (which
-/// deletes removed writers' positions) is waited for, and the positions,
-/// read by the next statement's snapshot, follow its writer list (never
-/// bringing a removed writer back). Neither ever moves back.
-pub fn store_positions(stream: &str) {
-    run(
-        "SELECT FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1 FOR SHARE",
+/// The catalog tables a pass of the position worker reads or writes,
+/// locked at its start in this order, each only if granted at once
+/// (`ConditionalLockRelationOid`, the lock `LOCK TABLE … NOWAIT` takes):
+/// `streams` ROW SHARE (its rows are share-locked), `instances` ACCESS
+/// SHARE, `stream_positions` and `stream_frontiers` ROW EXCLUSIVE. None
+/// when one is not granted (an operator's command holds or waits for it:
+/// the pass is put off) or is gone (the extension is being dropped). The
+/// worker then never waits for an operator's command while holding a lock
+/// that command needs (see docs/design.md, "The position worker's locks").
+pub struct PassTables {
+    /// `stream_frontiers` exists (a database not yet updated from 0.2.0
+    /// has none).
+    pub frontiers: bool,
+}
+
+pub fn lock_for_pass() -> Option<PassTables> {
+    const TABLES: [(&CStr, u32, bool); 4] = [
+        (c"streams", pg_sys::RowShareLock, true),
+        (c"instances", pg_sys::AccessShareLock, true),
+        (c"stream_positions", pg_sys::RowExclusiveLock, true),
+        (c"stream_frontiers", pg_sys::RowExclusiveLock, false),
+    ];
+    // SAFETY: catalog lookups that return InvalidOid for what does not
+    // exist; a conditional lock raises no error (it returns false); the
+    // locks are released at the end of the pass's transaction.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return None;
+        }
+        let mut frontiers = false;
+        for (name, mode, required) in TABLES {
+            let oid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+            if oid == pg_sys::InvalidOid {
+                if required {
+                    return None;
+                }
+                continue;
+            }
+            if !pg_sys::ConditionalLockRelationOid(oid, mode as pg_sys::LOCKMODE) {
+                return None;
+            }
+            // Dropped between the lookup and the lock (the lock took in
+            // the invalidations of the drop's commit).
+            if pg_sys::get_rel_name(oid).is_null() {
+                return None;
+            }
+            frontiers |= !required;
+        }
+        Some(PassTables { frontiers })
+    }
+}
+
+/// Store one stream's positions and, with `frontier`, its frontier (the
+/// same a reader in this snapshot gets: one statement, one snapshot, so
+/// the frontier is never above a position stored with it). Run by the
+/// position worker, its tables locked (`lock_for_pass`). The stream's row
+/// is share-locked first, NOWAIT (55P03: the worker tries again next pass):
+/// a `set_writers` in progress (which deletes removed writers' positions)
+/// is not overtaken, and the positions, read by the next statement's
+/// snapshot, follow its writer list (never bringing a removed writer
+/// back). Neither ever moves back. False when the stream is gone (dropped
+/// since the pass began).
+pub fn store_positions(stream: &str, frontier: bool) -> bool {
+    let locked = update_one::<bool>(
+        "SELECT true FROM streampos.streams s WHERE s.stream_name OPERATOR(pg_catalog.=) $1 \
+         FOR SHARE NOWAIT",
         &[stream.into()],
     );
-    run(
-        "WITH p AS ( \
-           INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
+    if locked.is_none() {
+        return false;
+    }
+    const POSITIONS: &str =
+        "INSERT INTO streampos.stream_positions (stream_name, instance_name, stream_id) \
            SELECT $1, w.instance_name, w.stream_id FROM streampos.writer_positions($1) w \
            ON CONFLICT (stream_name, instance_name) DO UPDATE \
            SET stream_id = EXCLUDED.stream_id \
            WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) \
-                 pg_catalog.abs(streampos.stream_positions.stream_id)) \
-         INSERT INTO streampos.stream_frontiers (stream_name, stream_id) \
-         VALUES ($1, streampos.frontier($1)) \
-         ON CONFLICT (stream_name) DO UPDATE SET stream_id = EXCLUDED.stream_id \
-         WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) \
-               pg_catalog.abs(streampos.stream_frontiers.stream_id)",
+                 pg_catalog.abs(streampos.stream_positions.stream_id)";
+    if !frontier {
+        // 0.2.0's catalog, until ALTER EXTENSION streampos UPDATE.
+        run(POSITIONS, &[stream.into()]);
+        return true;
+    }
+    run(
+        &format!(
+            "WITH p AS ({POSITIONS}) \
+             INSERT INTO streampos.stream_frontiers (stream_name, stream_id) \
+             VALUES ($1, streampos.frontier($1)) \
+             ON CONFLICT (stream_name) DO UPDATE SET stream_id = EXCLUDED.stream_id \
+             WHERE pg_catalog.abs(EXCLUDED.stream_id) OPERATOR(pg_catalog.>) \
+                   pg_catalog.abs(streampos.stream_frontiers.stream_id)"
+        ),
         &[stream.into()],
     );
+    true
 }
 
 /// Longest token a notification carries: NOTIFY payloads must stay under

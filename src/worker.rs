@@ -4,7 +4,8 @@
 //! lock for it; the worker's rows never run ahead of the truth, because it
 //! computes them from commits its own snapshot already sees.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::pg_sys::panic::CaughtError;
@@ -13,13 +14,19 @@ use pgrx::IntoDatum;
 
 use streampos_core::token::TokenKind;
 
-use crate::{catalog, engine, guc, registry, sql};
+use crate::{catalog, engine, guc, held_back, registry, sql};
 
 /// How often the worker forgets finished entries every snapshot sees.
 const PRUNE_INTERVAL_MS: u64 = 20;
 
 thread_local! {
     static LAST_CHECK: std::cell::Cell<pg_sys::TimestampTz> = const { std::cell::Cell::new(0) };
+}
+
+/// The next `ensure_running` checks, whenever the last check was (the
+/// worker leaves when the extension is dropped). Safe from any callback.
+pub fn check_soon() {
+    LAST_CHECK.with(|c| c.set(0));
 }
 
 /// Start this database's worker unless it runs. Checked at most once a
@@ -80,9 +87,8 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
     // is free for the next worker of any database.
     // SAFETY: registers a callback for this process's exit.
     unsafe { pg_sys::before_shmem_exit(Some(on_worker_exit), arg) };
-    let mut written: std::collections::HashMap<i32, String> = std::collections::HashMap::new();
-    let mut orphans = Orphans::default();
-    let mut last_store: Option<std::time::Instant> = None;
+    let mut state = WorkerState::new();
+    let mut last_store: Option<Instant> = None;
     loop {
         // Prune often: the finished ring is what readers scan.
         let running = BackgroundWorker::wait_latch(Some(Duration::from_millis(PRUNE_INTERVAL_MS)));
@@ -96,17 +102,32 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         let interval = Duration::from_millis(guc::POSITION_INTERVAL_MS.get().max(10) as u64);
         let stopping = !running || BackgroundWorker::sigterm_received();
         if stopping || last_store.is_none_or(|t| t.elapsed() >= interval) {
-            last_store = Some(std::time::Instant::now());
+            last_store = Some(Instant::now());
             // Each pass is a transaction of its own, so it computes fresh
             // positions (answers are kept per transaction, see engine.rs).
-            let pass = std::panic::AssertUnwindSafe((&mut written, &mut orphans));
-            let keep_going = BackgroundWorker::transaction(move || {
-                let pass = pass;
-                let (written, orphans) = pass.0;
-                release_orphans(db, orphans);
-                store_positions(written)
+            let pass_state = std::panic::AssertUnwindSafe(&mut state);
+            let outcome = BackgroundWorker::transaction(move || {
+                let pass_state = pass_state;
+                yielding_locks(|| pass(db, pass_state.0))
             });
-            if !keep_going {
+            match outcome {
+                Pass::ExtensionGone => break,
+                Pass::Done { quiet } if !quiet => state.last_activity = Instant::now(),
+                Pass::Done { .. } => {}
+            }
+            let generations = registry::generations_of(db);
+            if generations != state.generations {
+                state.generations = generations;
+                state.last_activity = Instant::now();
+            }
+            // Nothing to do for a while: leave, so that the database can be
+            // dropped (DROP DATABASE waits only 5 s for other sessions, and
+            // not for background workers). The next allocation starts a
+            // worker again.
+            if !stopping
+                && state.last_activity.elapsed() >= Duration::from_millis(IDLE_EXIT_MS)
+                && registry::leave_if_idle(db, &state.generations)
+            {
                 break;
             }
         }
@@ -122,12 +143,85 @@ unsafe extern "C-unwind" fn on_worker_exit(_code: i32, arg: pg_sys::Datum) {
     registry::release_worker_slot(pg_sys::Oid::from(arg.value() as u32));
 }
 
-/// Run `f` in a subtransaction; an ERROR rolls it back, is logged with
-/// `what`, and returns false.
-fn in_subtransaction(
-    what: &str,
-    f: impl FnOnce() + std::panic::UnwindSafe + std::panic::RefUnwindSafe,
-) -> bool {
+/// Longest the worker's pass waits for a lock it did not take at its start
+/// (a row of `stream_positions`, a system catalog): shorter than
+/// `deadlock_timeout`, so that it gives up before anyone waiting for it
+/// checks for a deadlock.
+const LOCK_TIMEOUT: &std::ffi::CStr = c"100ms";
+
+/// Run the pass `f` with `lock_timeout` at `LOCK_TIMEOUT`: the worker never
+/// waits long for a lock, it yields to the operator's command (see
+/// docs/design.md, "The position worker's locks"). Restored before the
+/// commit, which may queue for NOTIFY's lock behind other databases'
+/// commits (no command waits for the worker there) and must not fail.
+fn yielding_locks<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: a GUC nest level is opened and closed around `f`; on ERROR,
+    // transaction abort unwinds GUC nest levels itself.
+    unsafe {
+        let level = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"lock_timeout".as_ptr(),
+            LOCK_TIMEOUT.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        let value = f();
+        pg_sys::AtEOXact_GUC(true, level);
+        value
+    }
+}
+
+/// The worker leaves after this long with nothing to do (no stream's
+/// generation moved, nothing stored, nothing of its database in flight or
+/// orphaned).
+const IDLE_EXIT_MS: u64 = 2000;
+
+/// What the worker keeps from pass to pass.
+struct WorkerState {
+    /// The token last stored per stream key.
+    written: HashMap<i32, String>,
+    orphans: Orphans,
+    /// Per stream key: the frontier last seen, and since when it is held
+    /// back (0: it is not).
+    tracks: HashMap<i32, (i64, pg_sys::TimestampTz)>,
+    held_back: held_back::Warned,
+    /// The generations of the database's stream states at the last pass.
+    generations: Vec<(usize, u64)>,
+    /// The last time anything happened (a generation moved, a store, a
+    /// pass that could not take its locks).
+    last_activity: Instant,
+}
+
+impl WorkerState {
+    fn new() -> WorkerState {
+        WorkerState {
+            written: HashMap::new(),
+            orphans: Orphans::default(),
+            tracks: HashMap::new(),
+            held_back: held_back::Warned::default(),
+            generations: Vec::new(),
+            last_activity: Instant::now(),
+        }
+    }
+}
+
+enum Pass {
+    ExtensionGone,
+    /// `quiet`: nothing was stored, nothing failed or was put off.
+    Done {
+        quiet: bool,
+    },
+}
+
+/// Run `f` in a subtransaction; an ERROR rolls it back and returns None.
+/// The error is logged with `what`, unless it is a lock the worker did not
+/// get at once (SQLSTATE 55P03: it yields, and tries again next pass).
+fn in_subtransaction<T>(what: &str, f: impl FnOnce() -> T) -> Option<T> {
+    let f = std::panic::AssertUnwindSafe(f);
     // SAFETY: the worker is inside a transaction (BackgroundWorker::
     // transaction); the subtransaction is begun and ended here on every path,
     // and the memory context and resource owner are restored after it.
@@ -135,31 +229,37 @@ fn in_subtransaction(
         let context = pg_sys::CurrentMemoryContext;
         let owner = pg_sys::CurrentResourceOwner;
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
-        let failure = PgTryBuilder::new(move || {
-            f();
-            None
+        let outcome = PgTryBuilder::new(move || {
+            let f = f;
+            Ok((f.0)())
         })
         .catch_others(|e| {
-            Some(match e {
-                CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => {
-                    r.message().to_string()
+            Err(match e {
+                CaughtError::PostgresError(r)
+                | CaughtError::ErrorReport(r)
+                | CaughtError::RustPanic { ereport: r, .. } => {
+                    (r.sql_error_code(), r.message().to_string())
                 }
-                CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
             })
         })
         .execute();
-        if failure.is_none() {
+        if outcome.is_ok() {
             pg_sys::ReleaseCurrentSubTransaction();
         } else {
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
         }
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::CurrentResourceOwner = owner;
-        if let Some(message) = &failure {
-            // After the rollback: logging allocates.
-            pgrx::log!("streampos position worker: {what} failed: {message}");
+        match outcome {
+            Ok(value) => Some(value),
+            Err((code, message)) => {
+                // After the rollback: logging allocates.
+                if code != PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE {
+                    pgrx::log!("streampos position worker: {what} failed: {message}");
+                }
+                None
+            }
         }
-        failure.is_none()
     }
 }
 
@@ -168,7 +268,7 @@ fn in_subtransaction(
 /// the transactions that were running after that epoch began.
 #[derive(Default)]
 struct Orphans {
-    waiting: std::collections::HashMap<usize, (u64, Vec<pg_sys::VirtualTransactionId>)>,
+    waiting: HashMap<usize, (u64, Vec<pg_sys::VirtualTransactionId>)>,
 }
 
 /// Release orphaned holds once every transaction that may still write
@@ -227,46 +327,102 @@ fn release_orphans(db: pg_sys::Oid, orphans: &mut Orphans) {
     }
 }
 
-/// One pass: store the positions of streams whose positions differ from
-/// what the worker last stored (an allocation ended, or a commit became
-/// durable since), then notify listeners. Returns false when the extension
-/// is gone from the database.
-fn store_positions(written: &mut std::collections::HashMap<i32, String>) -> bool {
+/// One pass. First the locks every store of the pass needs, each only if
+/// granted at once (else the pass is put off to the next interval, see
+/// docs/design.md); then store the positions of streams whose positions
+/// differ from what the worker last stored (an allocation ended, or a
+/// commit became durable since), each under its stream's row lock, also
+/// taken only if granted at once; notify listeners; note what it saw for
+/// the statistics and the held-back warnings.
+fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
     if !sql::extension_present() {
-        return false;
+        return Pass::ExtensionGone;
     }
-    // SAFETY: MyDatabaseId is set once the worker is connected.
-    let db = unsafe { pg_sys::MyDatabaseId };
+    let Some(tables) = sql::lock_for_pass() else {
+        return Pass::Done { quiet: false };
+    };
+    release_orphans(db, &mut state.orphans);
     let loaded = registry::streams_of(db);
-    if loaded.is_empty() {
-        return true;
-    }
-    let streams = catalog::streams_by_key();
-    for (key, _, _) in loaded {
+    let mut quiet = true;
+    let streams = if loaded.is_empty() {
+        HashMap::new()
+    } else {
+        catalog::streams_by_key()
+    };
+    // SAFETY: reads the clock; raises no error.
+    let now = unsafe { crate::ffi::unguarded::GetCurrentTimestamp() };
+    let mut marks = Vec::with_capacity(loaded.len());
+    let mut seen = Vec::with_capacity(loaded.len());
+    for (key, index, _) in loaded {
         let Some(meta) = streams.get(&key) else {
             continue;
         };
-        let answer = engine::answer(meta);
-        let now = answer
-            .positions
-            .token(&engine::writer_ids(meta, &answer))
-            .to_text(TokenKind::MultiWriter);
-        if written.get(&key) == Some(&now) {
-            continue;
-        }
         // A stream dropped in the middle of the pass must not take the
         // worker down with it: each stream in a subtransaction; the
         // notification in one of its own, so that it never takes the
         // stored positions with it.
-        let name = meta.name.clone();
-        let what = format!("storing the positions of stream \"{name}\"");
-        if !in_subtransaction(&what, move || sql::store_positions(&name)) {
+        let what = format!("reading the positions of stream \"{}\"", meta.name);
+        let Some((frontier, max_allocated, token)) = in_subtransaction(&what, || {
+            let answer = engine::answer(meta);
+            let token = answer
+                .positions
+                .token(&engine::writer_ids(meta, &answer))
+                .to_text(TokenKind::MultiWriter);
+            (answer.frontier(), answer.positions.max_allocated, token)
+        }) else {
+            quiet = false;
             continue;
+        };
+        let track = state.tracks.entry(key).or_insert((frontier, 0));
+        if frontier >= max_allocated {
+            track.1 = 0;
+        } else if track.1 == 0 || track.0 != frontier {
+            track.1 = now;
         }
-        let name = meta.name.clone();
-        let what = format!("notifying the positions of stream \"{name}\"");
-        in_subtransaction(&what, move || sql::notify_positions(&name));
-        written.insert(key, now);
+        track.0 = frontier;
+        let held_since = track.1;
+        seen.push(held_back::Seen {
+            key,
+            meta: meta.clone(),
+            frontier,
+            max_allocated,
+            held_since,
+        });
+        let mut mark = registry::stats::PassMark {
+            index,
+            key,
+            seq: meta.seq,
+            held_since,
+            stored: false,
+            current: true,
+        };
+        if state.written.get(&key) != Some(&token) {
+            quiet = false;
+            let name = meta.name.clone();
+            let what = format!("storing the positions of stream \"{name}\"");
+            let stored = in_subtransaction(&what, || sql::store_positions(&name, tables.frontiers));
+            if stored == Some(false) {
+                // Dropped since the pass began.
+                continue;
+            }
+            if stored.is_some() {
+                let what = format!("notifying the positions of stream \"{name}\"");
+                in_subtransaction(&what, || sql::notify_positions(&name));
+                state.written.insert(key, token);
+                mark.stored = true;
+            } else {
+                mark.current = false;
+            }
+        }
+        marks.push(mark);
     }
-    true
+    state
+        .tracks
+        .retain(|key, _| seen.iter().any(|s| s.key == *key));
+    if !state.held_back.is_empty() {
+        quiet = false;
+    }
+    held_back::check(db, &seen, &mut state.held_back, now);
+    registry::stats::record_pass(db, &marks, now);
+    Pass::Done { quiet }
 }

@@ -111,12 +111,18 @@ fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i6
 /// returns true or the timeout passes (then the last evaluation's value).
 fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
+    // Counted among the stream's waiting followers (stat_streams) from the
+    // first sleep to the return (or an error, or the backend's exit).
+    let mut following = None;
     loop {
         let generation = registry::generation(index).or_raise();
         let (done, value) = ready();
         let now = Instant::now();
         if done || now >= deadline {
             return value;
+        }
+        if following.is_none() {
+            following = registry::stats::Following::enter(index);
         }
         // Re-check at least every 100 ms: positions also move when the WAL
         // is flushed (IDs become durable), which broadcasts nothing.

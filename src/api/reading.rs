@@ -97,7 +97,7 @@ fn current_room_token(stream: default!(&str, "'events'")) -> crate::types::RoomT
 /// May the current role see another backend's details? As
 /// `pg_stat_activity` decides: a member of pg_read_all_stats, or a role
 /// with the privileges of the backend's role.
-fn may_see_backend_of(role: pg_sys::Oid) -> bool {
+pub(super) fn may_see_backend_of(role: pg_sys::Oid) -> bool {
     // SAFETY: catalog lookups of role membership; raise no error for
     // existing roles.
     unsafe {

@@ -343,6 +343,11 @@ pub fn finish_allocation(
     let s = &mut locked.streams()[stream];
     let highest = s.max_allocated.max(last);
     shmem::publish(&mut s.max_allocated, highest);
+    // On the cache line just written (see `StreamState`).
+    #[cfg(feature = "stats")]
+    {
+        s.ids_allocated = s.ids_allocated.wrapping_add(ids.len() as u64);
+    }
     Ok(())
 }
 
@@ -718,6 +723,49 @@ fn push_finished(locked: &Locked, a: &Active, committed: bool, stamp: Transactio
             &mut locked.streams()[evicted.stream as usize].summary,
             &evicted,
         );
+        #[cfg(feature = "stats")]
+        {
+            let stats = &mut locked.h().stats;
+            stats.ring_folds = stats.ring_folds.wrapping_add(1);
+        }
+    }
+}
+
+/// The streams a transaction's end has counted (`xact_commit`,
+/// `xact_rollback`): once per stream, however many of its writers or holds
+/// the transaction used. Without allocating.
+#[cfg(feature = "stats")]
+struct Counted {
+    streams: [i32; 16],
+    n: usize,
+}
+
+#[cfg(feature = "stats")]
+impl Counted {
+    fn new() -> Counted {
+        Counted {
+            streams: [-1; 16],
+            n: 0,
+        }
+    }
+
+    /// Count the transaction's end for `s` (state `stream`) unless it was
+    /// counted already. Beyond 16 streams in one transaction, a stream may
+    /// be counted once per entry.
+    fn count(&mut self, s: &mut StreamState, stream: i32, committed: bool) {
+        if self.streams[..self.n].contains(&stream) {
+            return;
+        }
+        if self.n < self.streams.len() {
+            self.streams[self.n] = stream;
+            self.n += 1;
+        }
+        // Beside `generation`, on the line this end writes anyway.
+        if committed {
+            s.xact_commit = s.xact_commit.wrapping_add(1);
+        } else {
+            s.xact_rollback = s.xact_rollback.wrapping_add(1);
+        }
     }
 }
 
@@ -771,11 +819,17 @@ pub fn end_transaction(committed: bool) {
         // is past it + 1 was taken after this push (see visibility.rs).
         let stamp = latest_completed();
         let mut woken = Woken::new();
+        #[cfg(feature = "stats")]
+        let mut counted = Counted::new();
         let header = &locked.slot_headers()[slot];
         let was_active = header.used > 0 || header.held > 0;
         for a in locked.entries_in_use(slot).iter_mut() {
             let stream = a.stream as usize;
             woken.add(stream);
+            #[cfg(feature = "stats")]
+            if !a.shadow {
+                counted.count(&mut locked.streams()[stream], a.stream, committed);
+            }
             if a.shadow {
                 // A released hold: finished with this commit (the hold
                 // itself goes below); after an abort the hold goes on.
@@ -807,6 +861,11 @@ pub fn end_transaction(committed: bool) {
         while k < held {
             let a = holds[k];
             let stream = a.stream as usize;
+            // A hold taken in this transaction is one of its allocations.
+            #[cfg(feature = "stats")]
+            if !a.confirmed {
+                counted.count(&mut locked.streams()[stream], a.stream, committed);
+            }
             let abandoned = a.pending || (!a.confirmed && !committed);
             let released = committed && a.releasing;
             if abandoned || released {

@@ -9,7 +9,8 @@
 //! | `alloc.rs` | allocation (register before you allocate) and transaction end |
 //! | `visibility.rs` | what a snapshot must treat as in flight: slots, finished ring, summary, pruning |
 //! | `wait.rs` | followers' condition variables |
-//! | `workers.rs` | position-worker slots |
+//! | `workers.rs` | position-worker slots, and when a worker may leave |
+//! | `stats.rs` | statistics (`stat_streams`, `stat_registry`) |
 //! | `lock_stats.rs` | lock hold and wait times per section (feature `lock-stats`, bench builds only) |
 //!
 //! One LWLock guards it all. Writers hold it exclusively for a few hundred
@@ -23,6 +24,7 @@ pub mod history;
 #[cfg(feature = "lock-stats")]
 pub mod lock_stats;
 mod shmem;
+pub mod stats;
 mod streams;
 mod visibility;
 mod wait;
@@ -31,7 +33,7 @@ mod workers;
 pub use alloc::{
     begin_allocation, end_subtransaction, end_transaction, finish_allocation, flush_before_commit,
     holding, in_flight, mark_ghosts, orphans_of, release_hold, release_orphans, remember_writers,
-    rename_entries, Request,
+    rename_entries, InFlight, Request,
 };
 pub use shmem::{
     catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,
@@ -44,4 +46,7 @@ pub use visibility::{
     caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, StreamView,
 };
 pub use wait::wait_for_change;
-pub use workers::{claim_worker_slot, release_worker_slot, worker_needed, worker_start_failed};
+pub use workers::{
+    claim_worker_slot, generations_of, leave_if_idle, release_worker_slot, worker_needed,
+    worker_start_failed,
+};

@@ -7,7 +7,7 @@
 use std::cell::UnsafeCell;
 use std::ffi::CStr;
 use std::ptr;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
@@ -54,6 +54,11 @@ pub(super) struct Header {
     /// recorded yet.
     pub history_id: u64,
     pub history_recovering: bool,
+    /// The most entries the finished ring held at once since start-up or
+    /// `stat_reset()` (in the padding after `history_recovering`: the
+    /// fields after it keep their places). Written by `ring_push` only
+    /// when it grows.
+    pub ring_used_max: u32,
     /// The highest durable WAL position ever seen (see
     /// `visibility::durable_lsn`): what was final stays final when
     /// synchronous standbys are configured later.
@@ -65,6 +70,20 @@ pub(super) struct Header {
     pub changes: AtomicU64,
     pub catalog: CatalogSync,
     pub workers: [WorkerSlot; MAX_DATABASES],
+    /// Statistics of the whole registry (see `stats.rs`).
+    pub stats: RegistryStats,
+}
+
+/// What the registry counts for `streampos.stat_registry`, beyond what it
+/// keeps anyway (`ring_used`, `ring_used_max` in the header): since
+/// start-up or `stat_reset()`.
+#[repr(C)]
+pub(super) struct RegistryStats {
+    /// Ring entries folded into their stream's summary (the ring was
+    /// full). Written where the fold is, under the lock.
+    pub ring_folds: u64,
+    /// When `stat_reset()` last ran (0: never since start-up).
+    pub reset_at: pg_sys::TimestampTz,
 }
 
 /// Catalog-changing transactions remembered by xid (see `CatalogState`).
@@ -182,7 +201,12 @@ pub(super) struct Summary {
 
 /// One stream's state. Not `Copy`: it holds a condition variable that other
 /// processes may be waiting on, which must never be moved or overwritten.
-#[repr(C)]
+///
+/// Aligned to a cache line, whose first 64 bytes hold what a writer writes
+/// on every allocation and commit: the identity, `max_allocated`,
+/// `generation`, and the statistics counted beside them (no cache line more
+/// for a writer, see docs/design.md, "Statistics").
+#[repr(C, align(64))]
 pub(super) struct StreamState {
     pub in_use: bool,
     pub loaded: bool,
@@ -199,8 +223,15 @@ pub(super) struct StreamState {
     /// extension was dropped and created again starts from a fresh state.
     pub seq: pg_sys::Oid,
     pub max_allocated: i64,
+    /// IDs handed out (`finish_allocation`, under the lock, beside
+    /// `max_allocated`).
+    pub ids_allocated: u64,
     /// Bumped every time an allocation of this stream finishes.
     pub generation: u64,
+    /// Transactions that allocated IDs of the stream (or took a hold) and
+    /// committed / rolled back (`end_transaction`, beside `generation`).
+    pub xact_commit: u64,
+    pub xact_rollback: u64,
     /// Broadcast when the generation moves; followers sleep on it.
     pub cv: pg_sys::ConditionVariable,
     pub summary: Summary,
@@ -214,6 +245,30 @@ pub(super) struct StreamState {
     /// What of the stream's IDs another history may have handed out (see
     /// `history.rs`).
     pub lost: Lost,
+    /// What the position worker and followers note for the statistics, on
+    /// lines no writer touches.
+    pub monitor: Monitor,
+}
+
+/// A stream's statistics that are not counted on the writers' path: the
+/// position worker writes the times at each pass (under the registry lock
+/// shared: a state is only reset for another stream under the lock
+/// exclusive), followers count themselves around their wait. Since
+/// start-up, or since the state was given to the stream.
+#[repr(C)]
+pub(super) struct Monitor {
+    /// Since when the frontier has not moved while IDs above it were
+    /// allocated, as the position worker saw it (0: not held back).
+    pub held_since: AtomicI64,
+    /// The worker's last store of the stream's positions (0: none).
+    pub last_store: AtomicI64,
+    /// The worker's last pass that left the stored positions equal to the
+    /// ones it computed (0: none).
+    pub current_at: AtomicI64,
+    /// Backends sleeping in `wait_for` or `updates` on the stream.
+    pub followers: AtomicU32,
+    /// When `stat_reset()` last reset the stream's counters (0: never).
+    pub reset_at: AtomicI64,
 }
 
 /// Lost ranges a stream keeps (see `Lost`).
@@ -437,6 +492,12 @@ pub(super) struct SlotHeader {
     pub held: u32,
     /// While `used > 0` or `held > 0`: this slot's place in the active list.
     pub active_at: u32,
+    /// Lock-free copies this slot's backends threw away (a writer's section
+    /// ran meanwhile), and copies they made under the lock instead after
+    /// too many: counted by the slot's own backend, without the lock
+    /// (`AtomicU64::from_ptr`), only on those slow paths.
+    pub reader_retries: u64,
+    pub reader_fallbacks: u64,
 }
 
 #[repr(C)]
@@ -456,6 +517,10 @@ fn align8(n: usize) -> usize {
     (n + 7) & !7
 }
 
+fn align64(n: usize) -> usize {
+    (n + 63) & !63
+}
+
 pub(super) fn layout(
     n_streams: usize,
     ring_cap: usize,
@@ -463,7 +528,10 @@ pub(super) fn layout(
     per_slot: usize,
     per_session: usize,
 ) -> Layout {
-    let streams = align8(size_of::<Header>());
+    // Stream states are aligned to cache lines (the area itself starts on
+    // one: PostgreSQL aligns shared memory allocations to
+    // PG_CACHE_LINE_SIZE).
+    let streams = align64(size_of::<Header>());
     let ring = streams + align8(n_streams * size_of::<StreamState>());
     let slot_headers = ring + align8(ring_cap * size_of::<Finished>());
     let active = slot_headers + align8(n_slots * size_of::<SlotHeader>());
@@ -558,6 +626,10 @@ unsafe extern "C-unwind" fn shmem_startup() {
         pg_sys::LWLockAcquire(addin_shmem_init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
         let mut found = false;
         let base = pg_sys::ShmemInitStruct(SHMEM_NAME.as_ptr(), l.total, &mut found) as *mut u8;
+        debug_assert!(
+            (base as usize).is_multiple_of(64),
+            "shared memory not on a cache line"
+        );
         if !found {
             ptr::write_bytes(base, 0, l.total);
             let header = base as *mut Header;
@@ -1262,3 +1334,9 @@ pub(super) fn my_slot_index() -> Result<usize, Error> {
     }
     Ok(procno as usize)
 }
+// What a writer writes on every allocation and commit, and the statistics
+// counted beside it, share the state's first cache line.
+const _: () = assert!(
+    std::mem::offset_of!(StreamState, max_allocated) < 64
+        && std::mem::offset_of!(StreamState, xact_rollback) + size_of::<u64>() <= 64
+);

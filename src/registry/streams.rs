@@ -132,6 +132,7 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
     s.summary.valid = false;
     s.orphans.clear();
     s.n_seen = 0;
+    super::stats::reset_stream(s);
     Ok((i, false))
 }
 

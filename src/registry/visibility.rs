@@ -66,6 +66,12 @@ impl Locked {
         if (h.ring_used as usize) < cap {
             ring[(h.ring_head as usize + h.ring_used as usize) % cap] = entry;
             h.ring_used += 1;
+            // On the header's line this push writes anyway; written only
+            // when it grows.
+            #[cfg(feature = "stats")]
+            if h.ring_used > h.ring_used_max {
+                h.ring_used_max = h.ring_used;
+            }
             None
         } else {
             let evicted = ring[h.ring_head as usize];
@@ -449,6 +455,9 @@ pub fn view(
     let mut result = None;
     #[cfg(feature = "lock-stats")]
     let started = super::lock_stats::now();
+    // Copies thrown away (statistics: counted once, after the loop).
+    #[cfg(feature = "stats")]
+    let mut retries = 0u64;
     'tries: for _ in 0..LOCK_FREE_TRIES {
         let mut before = raw.begin_read();
         let mut spins = 0;
@@ -465,9 +474,17 @@ pub fn view(
             result = Some(r);
             break;
         }
+        #[cfg(feature = "stats")]
+        {
+            retries += 1;
+        }
     }
     #[cfg(feature = "lock-stats")]
     super::lock_stats::record_lock_free(started, result.is_some(), copied.slots_visited);
+    #[cfg(feature = "stats")]
+    if retries > 0 || result.is_none() {
+        super::stats::count_reader_slow_path(own_slot, retries, result.is_none());
+    }
     let result = match result {
         Some(r) => r,
         None => {

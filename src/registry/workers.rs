@@ -142,3 +142,89 @@ pub fn worker_start_failed(db: pg_sys::Oid) {
         }
     }
 }
+
+/// The generation of every stream state of database `db` (loaded or not,
+/// dropped or not): the position worker is idle while none moves.
+pub fn generations_of(db: pg_sys::Oid) -> Vec<(usize, u64)> {
+    let Ok(locked) = Locked::acquire(Section::OtherShared) else {
+        return Vec::new();
+    };
+    locked
+        .streams()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.db == db)
+        .map(|(i, s)| (i, s.generation))
+        .collect()
+}
+
+/// The position worker of database `db` leaves if it has nothing to do:
+/// nothing of the database in flight (a transaction's IDs, a hold, orphaned
+/// holds), no finished IDs of it waiting to be durable (they move positions
+/// when the WAL is flushed, which moves no generation: an asynchronous
+/// commit, a synchronous standby behind), and no stream's generation moved
+/// since `generations`. In one
+/// section with freeing its slot, so that an allocation either registers
+/// first (and the worker stays) or finds the slot free afterwards (and
+/// starts a new worker: `worker::ensure_running` runs after the
+/// allocation's entry is published). True when it left.
+pub fn leave_if_idle(db: pg_sys::Oid, generations: &[(usize, u64)]) -> bool {
+    // Read before the lock: a durable point read earlier is lower, which
+    // only keeps the worker.
+    let durable = super::visibility::durable_lsn();
+    let Ok(locked) = Locked::acquire(Section::OtherExclusive) else {
+        return false;
+    };
+    let streams = locked.streams();
+    let mine = |stream: i32| {
+        streams
+            .get(stream as usize)
+            .is_some_and(|s| s.in_use && s.db == db)
+    };
+    for &slot in locked.active_slots() {
+        let slot = slot as usize;
+        if locked
+            .entries_in_use(slot)
+            .iter()
+            .chain(locked.holds_in_use(slot).iter())
+            .any(|a| mine(a.stream))
+        {
+            return false;
+        }
+    }
+    let now: Vec<(usize, u64)> = streams
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.in_use && s.db == db)
+        .map(|(i, s)| (i, s.generation))
+        .collect();
+    if now != generations
+        || streams.iter().any(|s| {
+            s.in_use
+                && s.db == db
+                && (s.orphans.valid || (s.summary.valid && s.summary.lsn > durable))
+        })
+    {
+        return false;
+    }
+    if locked.h().ring_lsn_max > durable
+        && locked
+            .ring_entries()
+            .any(|f| f.lsn > durable && mine(f.stream))
+    {
+        return false;
+    }
+    // SAFETY: process identity global.
+    let me = unsafe { pg_sys::MyProcPid };
+    for w in locked.h().workers.iter_mut() {
+        if w.db == db && w.pid == me {
+            *w = WorkerSlot {
+                db: pg_sys::InvalidOid,
+                pid: 0,
+                latch: ptr::null_mut(),
+                starting_since: 0,
+            };
+        }
+    }
+    true
+}

@@ -383,3 +383,43 @@ def stop_standby(path):
     if os.path.exists(os.path.join(path, "postmaster.pid")):
         _pg_tool("pg_ctl", "-D", path, "-m", "immediate", "-w", "-t", "60", "stop", check=False)
     shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------- settings and the server log
+
+
+@contextlib.contextmanager
+def server_settings(settings):
+    """ALTER SYSTEM SET each setting of the dict (reloaded) for the block,
+    then RESET."""
+    with connect_raw("postgres") as admin:
+        for name, value in settings.items():
+            admin.execute(f"ALTER SYSTEM SET {name} = '{value}'")
+        admin.execute("SELECT pg_reload_conf()")
+    # The reload reaches every process (the position worker too) within a
+    # moment.
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        with connect_raw("postgres") as admin:
+            for name in settings:
+                admin.execute(f"ALTER SYSTEM RESET {name}")
+            admin.execute("SELECT pg_reload_conf()")
+        time.sleep(0.3)
+
+
+class ServerLog:
+    """The server log (STREAMPOS_PGDATA/server.log) from the moment this was
+    made: ``lines()`` returns what was written since."""
+
+    def __init__(self):
+        if not PGDATA:
+            pytest.skip("STREAMPOS_PGDATA is not set: cannot read the server log")
+        self.path = os.path.join(PGDATA, "server.log")
+        self.start = os.path.getsize(self.path)
+
+    def lines(self):
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            return f.read().decode("utf-8", "replace").splitlines()

@@ -1,0 +1,172 @@
+//! Statistics: `stat_get_streams()` and `stat_get_registry()` (under the
+//! views `streampos.stat_streams` and `streampos.stat_registry`) and
+//! `stat_reset()`. Counters live in shared memory since start-up (see
+//! `registry/stats.rs`).
+
+use pgrx::prelude::*;
+
+use crate::catalog;
+use crate::engine;
+use crate::error::OrRaise;
+use crate::{registry, sql};
+
+fn now() -> pg_sys::TimestampTz {
+    // SAFETY: reads the clock; raises no error.
+    unsafe { crate::ffi::unguarded::GetCurrentTimestamp() }
+}
+
+fn seconds(from: pg_sys::TimestampTz, to: pg_sys::TimestampTz) -> f64 {
+    (to - from).max(0) as f64 / 1_000_000.0
+}
+
+/// A timestamp of the statistics, NULL for 0 (never).
+fn timestamp(t: pg_sys::TimestampTz) -> Option<TimestampWithTimeZone> {
+    (t != 0)
+        .then(|| TimestampWithTimeZone::try_from(t).ok())
+        .flatten()
+}
+
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_restricted)]
+fn stat_get_streams() -> TableIterator<
+    'static,
+    (
+        name!(stream_name, String),
+        name!(ids_allocated, i64),
+        name!(xact_commit, i64),
+        name!(xact_rollback, i64),
+        name!(max_allocated, i64),
+        name!(frontier, i64),
+        name!(frontier_lag_ids, i64),
+        name!(frontier_lag_seconds, f64),
+        name!(ids_in_flight, i64),
+        name!(oldest_in_flight_seconds, Option<f64>),
+        name!(oldest_in_flight_pid, Option<i32>),
+        name!(oldest_in_flight_instance, Option<String>),
+        name!(followers_waiting, i32),
+        name!(last_store, Option<TimestampWithTimeZone>),
+        name!(stored_frontier, Option<i64>),
+        name!(store_lag_ids, Option<i64>),
+        name!(store_lag_seconds, Option<f64>),
+        name!(stats_reset, Option<TimestampWithTimeZone>),
+    ),
+> {
+    registry::require_loaded().or_raise();
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let mut streams: Vec<_> = catalog::streams_by_key().into_values().collect();
+    streams.sort_by(|a, b| a.name.cmp(&b.name));
+    // Positions first: they load a stream's state if nothing used it
+    // since start-up.
+    let answers: Vec<_> = streams.iter().map(|m| engine::answer(m)).collect();
+    let stats = registry::stats::streams(db).or_raise();
+    let in_flight: Vec<_> = registry::in_flight()
+        .or_raise()
+        .into_iter()
+        .filter(|r| r.db == db)
+        .collect();
+    let requested = registry::stats::worker_requested_at(db).unwrap_or(0);
+    let now = now();
+    let mut rows = Vec::with_capacity(streams.len());
+    for (meta, answer) in streams.iter().zip(&answers) {
+        let s = stats
+            .iter()
+            .find(|s| s.key == meta.key && s.seq == meta.seq);
+        let frontier = answer.frontier();
+        let max_allocated = answer.positions.max_allocated;
+        let lag_ids = (max_allocated - frontier).max(0);
+        let lag_seconds = match s {
+            Some(s) if lag_ids > 0 && s.held_since != 0 => seconds(s.held_since, now),
+            _ => 0.0,
+        };
+        let mine: Vec<_> = in_flight.iter().filter(|r| r.key == meta.key).collect();
+        let ids_in_flight = mine.iter().map(|r| r.ids).sum();
+        // The oldest transaction or hold (orphaned holds have no age).
+        let oldest = mine
+            .iter()
+            .filter(|r| r.pid.is_some() && r.since != 0)
+            .min_by_key(|r| r.since);
+        let stored = sql::stored_frontier(&meta.name);
+        let store_lag_ids = stored.map(|f| (frontier - f).max(0));
+        // Since the worker last found the stored positions current, or was
+        // last asked to start (after it left for want of work).
+        let reference = s.map_or(0, |s| s.current_at).max(requested);
+        let store_lag_seconds = match store_lag_ids {
+            None => None,
+            Some(0) => Some(0.0),
+            Some(_) if reference == 0 => None,
+            Some(_) => Some(seconds(reference, now)),
+        };
+        rows.push((
+            meta.name.clone(),
+            s.map_or(0, |s| s.ids_allocated as i64),
+            s.map_or(0, |s| s.xact_commit as i64),
+            s.map_or(0, |s| s.xact_rollback as i64),
+            meta.external(max_allocated),
+            meta.external(frontier),
+            lag_ids,
+            lag_seconds,
+            ids_in_flight,
+            oldest.map(|r| seconds(r.since, now)),
+            // Another role's backend: its pid only where in_flight()
+            // shows it.
+            oldest
+                .filter(|r| super::reading::may_see_backend_of(r.role))
+                .and_then(|r| r.pid),
+            oldest.and_then(|r| r.instance_name.clone()),
+            s.map_or(0, |s| s.followers as i32),
+            s.and_then(|s| timestamp(s.last_store)),
+            stored.map(|f| meta.external(f)),
+            store_lag_ids,
+            store_lag_seconds,
+            s.and_then(|s| timestamp(s.reset_at)),
+        ));
+    }
+    TableIterator::new(rows)
+}
+
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_restricted)]
+fn stat_get_registry() -> TableIterator<
+    'static,
+    (
+        name!(streams_loaded, i32),
+        name!(streams_used, i32),
+        name!(streams_dropped, i32),
+        name!(streams_max, i32),
+        name!(ring_used, i64),
+        name!(ring_used_max, i64),
+        name!(ring_size, i64),
+        name!(ring_folds, i64),
+        name!(reader_retries, i64),
+        name!(reader_lock_fallbacks, i64),
+        name!(position_workers, i32),
+        name!(stats_reset, Option<TimestampWithTimeZone>),
+    ),
+> {
+    let r = registry::stats::registry().or_raise();
+    TableIterator::once((
+        r.streams_loaded as i32,
+        r.streams_used as i32,
+        r.streams_dropped as i32,
+        r.streams_max as i32,
+        i64::from(r.ring_used),
+        i64::from(r.ring_used_max),
+        i64::from(r.ring_size),
+        r.ring_folds as i64,
+        r.reader_retries as i64,
+        r.reader_fallbacks as i64,
+        r.position_workers as i32,
+        timestamp(r.reset_at),
+    ))
+}
+
+/// Start the counters of this database's streams, and the registry's, from
+/// zero. Not for PUBLIC (as pg_stat_reset).
+#[pg_extern(volatile, parallel_unsafe)]
+fn stat_reset() {
+    registry::require_loaded().or_raise();
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    registry::stats::reset(db, now()).or_raise();
+}
