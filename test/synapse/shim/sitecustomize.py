@@ -1,0 +1,93 @@
+"""Loaded by every Python process of a scripts/synapse-tests run (the shim
+directory is on PYTHONPATH; Twisted trial passes it on to its workers).
+
+STREAMPOS_SYNAPSE_TREE   Synapse's unpacked sdist: put first on sys.path, so
+                         that `synapse` and `tests` are imported from it.
+STREAMPOS_SYNAPSE_MODE   stock      Synapse as it is (the baseline), only counted
+                         streampos  streampos.synapse.install(), and the extension
+                                    created in every database Synapse's tests
+                                    prepare (the base database each trial process
+                                    clones per test: tests/utils.py:setupdb)
+                         class      as streampos, and the name in Synapse's
+                                    id_generators module rebound too, so that
+                                    tests of the class itself construct the
+                                    replacement (see test/synapse/README.md)
+STREAMPOS_SYNAPSE_COUNTS a directory: each process writes there, at exit, which
+                         class each module constructed, per stream.
+Nothing of Synapse's files is changed: its functions are wrapped at runtime.
+"""
+
+import atexit
+import json
+import os
+import sys
+
+_TREE = os.environ.get("STREAMPOS_SYNAPSE_TREE")
+_MODE = os.environ.get("STREAMPOS_SYNAPSE_MODE")
+_COUNTS = os.environ.get("STREAMPOS_SYNAPSE_COUNTS")
+
+
+def _count(cls, counts):
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "?")
+        key = f"{cls.__name__} {caller} {kwargs.get('stream_name')}"
+        counts[key] = counts.get(key, 0) + 1
+        init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init
+    cls.__init__ = __init__
+
+
+def _create_extension_after_prepare():
+    """Synapse's tests build one base database per process with
+    prepare_database and clone it per test: create the extension in every
+    database prepared on PostgreSQL (a superuser runs the tests)."""
+    from synapse.storage import prepare_database as module
+    from synapse.storage.engines import PostgresEngine
+
+    prepare = module.prepare_database
+
+    def prepare_database(db_conn, database_engine, config, databases=("main", "state")):
+        prepare(db_conn, database_engine, config, databases=databases)
+        if isinstance(database_engine, PostgresEngine):
+            cur = db_conn.cursor(txn_name="streampos_create_extension")
+            cur.execute("CREATE EXTENSION IF NOT EXISTS streampos")
+            cur.close()
+            db_conn.commit()
+
+    prepare_database.__wrapped__ = prepare
+    module.prepare_database = prepare_database
+
+
+def _main():
+    if _TREE:
+        sys.path.insert(0, _TREE)
+    if _MODE not in ("stock", "streampos", "class"):
+        return
+    counts = {}
+    from synapse.storage.util import id_generators
+
+    stock = id_generators.MultiWriterIdGenerator
+    if _MODE != "stock":
+        import streampos.synapse
+
+        streampos.synapse.install()
+        _create_extension_after_prepare()
+        _count(streampos.synapse.StreamposIdGenerator, counts)
+        if _MODE == "class":
+            id_generators.MultiWriterIdGenerator = streampos.synapse.StreamposIdGenerator
+    _count(stock, counts)
+    if _COUNTS:
+
+        def write():
+            if counts:
+                path = os.path.join(_COUNTS, f"constructions-{os.getpid()}.json")
+                with open(path, "w") as f:
+                    json.dump(counts, f, indent=1, sort_keys=True)
+
+        atexit.register(write)
+
+
+_main()
