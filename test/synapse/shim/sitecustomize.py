@@ -61,6 +61,39 @@ def _create_extension_after_prepare():
     module.prepare_database = prepare_database
 
 
+def _stop_position_workers_before_drop():
+    """The extension's position worker stays connected to every database
+    that allocated, and a plain DROP DATABASE (Synapse's tests drop each
+    test's database) fails while any other session is connected: before
+    Synapse's cleanup drops a test database, stop that database's worker.
+    Only the connections to the base database (from which the cleanup
+    drops) get this cursor. A limitation of the extension, reported; see
+    test/synapse/README.md."""
+    import psycopg2
+    import psycopg2.extensions
+
+    connect = psycopg2.connect
+
+    class DropCursor(psycopg2.extensions.cursor):
+        def execute(self, query, vars=None):
+            words = query.split() if isinstance(query, str) else []
+            if words[:4] == ["DROP", "DATABASE", "IF", "EXISTS"] and len(words) == 5:
+                name = words[4].rstrip(";")
+                super().execute(
+                    "SELECT pg_catalog.pg_terminate_backend(pid, 10000) FROM pg_catalog.pg_stat_activity "
+                    "WHERE datname = %s AND backend_type = 'streampos position worker'",
+                    (name,),
+                )
+            return super().execute(query, vars)
+
+    def drop_aware_connect(*args, **kwargs):
+        if str(kwargs.get("dbname", "")).startswith("_synapse_unit_tests_base_"):
+            kwargs.setdefault("cursor_factory", DropCursor)
+        return connect(*args, **kwargs)
+
+    psycopg2.connect = drop_aware_connect
+
+
 def _main():
     if _TREE:
         sys.path.insert(0, _TREE)
@@ -75,6 +108,7 @@ def _main():
 
         streampos.synapse.install()
         _create_extension_after_prepare()
+        _stop_position_workers_before_drop()
         _count(streampos.synapse.StreamposIdGenerator, counts)
         if _MODE == "class":
             id_generators.MultiWriterIdGenerator = streampos.synapse.StreamposIdGenerator

@@ -263,6 +263,7 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
 
         with mock.patch.object(g._db, "runInteraction", new=run_interaction):
             d = ensureDeferred(write())
+            self.pump()  # Synapse's test database runs interactions on the reactor
             self.assertNoResult(d)
             held = self.sql("SELECT max_id FROM streampos.in_flight('account_data')")
             self.assertEqual(len(held), 1)

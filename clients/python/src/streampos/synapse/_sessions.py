@@ -117,6 +117,7 @@ class Sessions:
         self._sessions: List[_Session] = []
         self._admin: Optional[_Session] = None
         self._holds_supported: Optional[bool] = None
+        self._version: Optional[str] = None
         self._closed = False
 
     # ------------------------------------------------------------ plumbing
@@ -172,11 +173,14 @@ class Sessions:
     # ------------------------------------------------------------ registration
 
     def extension_version(self) -> Optional[str]:
+        if self._version is not None:
+            return self._version
         with self._lock:
             session = self._admin_session()
         with session.lock:
             rows = self._execute(session, _EXTENSION_SQL)
-        return rows[0][0] if rows else None
+        self._version = rows[0][0] if rows else None
+        return self._version
 
     def register(
         self,
@@ -366,15 +370,20 @@ _by_pool_lock = threading.Lock()
 
 
 def sessions_for(db: "DatabasePool") -> Sessions:
-    """The sessions of ``db``, created on first use; closed when the
-    homeserver shuts down."""
+    """The sessions of ``db``, created on first use and closed with
+    Synapse's connection pool (at shutdown; in Synapse's tests, before each
+    test's database is dropped)."""
     with _by_pool_lock:
         sessions = _by_pool.get(db)
         if sessions is None:
             sessions = _by_pool[db] = Sessions(db)
-            hs = getattr(db, "hs", None)
-            if hs is not None:
-                hs.register_sync_shutdown_handler(
-                    phase="after", eventType="shutdown", shutdown_func=sessions.close
-                )
+            pool = db._db_pool
+            final_close = pool.finalClose
+
+            # The pool's shutdown trigger and close() both call finalClose.
+            def close_with_pool() -> None:
+                sessions.close()
+                final_close()
+
+            pool.finalClose = close_with_pool
         return sessions
