@@ -118,6 +118,7 @@ class Sessions:
         self._admin: Optional[_Session] = None
         self._holds_supported: Optional[bool] = None
         self._version: Optional[str] = None
+        self._instances: set = set()
         self._closed = False
 
     # ------------------------------------------------------------ plumbing
@@ -284,6 +285,22 @@ class Sessions:
         except Exception:
             pass
 
+    def _ensure_instance(self, session: _Session, writer: str) -> None:
+        """A writer's first allocation creates its instance row; in an open
+        transaction that row's lock would be held until the context exits,
+        and Synapse's own transactions allocating as the same writer would
+        wait for it (a wait no server sees: a deadlock through the client).
+        Create it in a transaction of its own first."""
+        if writer in self._instances:
+            return
+        try:
+            self._execute(session, "SELECT streampos.instance_id(?)", (writer,))
+        except Exception as e:
+            if self._is_dead(session, e) or sqlstate(e) != "42501":
+                raise
+            # Without the grant next_ids creates it; nothing else to do.
+        self._instances.add(writer)
+
     def hold(self, stream: str, writer: str, n: int) -> Hold:
         """Allocate n IDs (external values, allocation order) held until
         :meth:`release`."""
@@ -292,6 +309,7 @@ class Sessions:
             try:
                 with session.lock:
                     if session.transactional:
+                        self._ensure_instance(session, writer)
                         self._execute(session, "BEGIN")
                         ids = self._execute(session, "SELECT streampos.next_ids(?, ?, ?)", (stream, writer, n))[0][0]
                     else:
