@@ -7,7 +7,10 @@ test's own (psycopg2, autocommit) reads what the database says while
 Synapse's transactions and holds are open.
 """
 
+import copy
 import threading
+import time
+import types
 from typing import Any, List
 from unittest import mock
 
@@ -24,7 +27,6 @@ from synapse.rest import admin
 from synapse.rest.client import login, room
 from synapse.server import HomeServer
 from synapse.storage.database import LoggingDatabaseConnection, LoggingTransaction
-from synapse.storage.engines import PostgresEngine
 from synapse.util.clock import Clock
 from tests.unittest import HomeserverTestCase
 from tests.utils import USE_POSTGRES_FOR_TESTS
@@ -73,7 +75,6 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         self.observer = psycopg2.connect(**args)
         self.observer.autocommit = True
         self.addCleanup(self.observer.close)
-        self.holds = self.sql("SELECT to_regproc('streampos.hold_ids') IS NOT NULL")[0][0]
 
     def sql(self, query: str, *args: Any) -> List[tuple]:
         with self.observer.cursor() as cur:
@@ -84,6 +85,13 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         g = getattr(self.store, attribute)
         self.assertIsInstance(g, StreamposIdGenerator)
         return g
+
+    def wait_until(self, predicate: Any, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                self.fail("timed out")
+            time.sleep(0.05)
 
     def enter(self, ctx: Any) -> Any:
         return self.get_success(ctx.__aenter__())
@@ -205,10 +213,10 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         ctx = g.get_next_mult(3)
         ids = self.enter(ctx)
         self.assertEqual(ids, sorted(ids))
-        rows = self.sql("SELECT min_id, max_id, ids, xid IS NULL FROM streampos.in_flight('receipts')")
-        self.assertEqual([r[:3] for r in rows], [(ids[0], ids[-1], 3)])
-        if self.holds:
-            self.assertTrue(rows[0][3], "a hold has no transaction")
+        rows = self.sql("SELECT min_id, max_id, ids, xid, pid FROM streampos.in_flight('receipts')")
+        self.assertEqual([r[:4] for r in rows], [(ids[0], ids[-1], 3, None)])  # a hold: no xid
+        # The session holding them is not in a transaction.
+        self.assertEqual(self.sql("SELECT state FROM pg_stat_activity WHERE pid = %s", rows[0][4]), [("idle",)])
         self.assertEqual(self.sql("SELECT streampos.frontier('receipts')")[0][0], ids[0] - 1)
         self.assertEqual(g.get_current_token(), ids[0] - 1)
         self.exit(ctx)
@@ -232,11 +240,12 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         """More contexts open at once than one session may hold: more
         sessions are opened, and every context releases on its own."""
         g = self.gen("_receipts_id_gen")
-        limit = self.sql("SELECT current_setting('streampos.max_held_per_session', true)")[0][0]
-        n = int(limit) + 3 if limit else 20
+        limit = int(self.sql("SELECT current_setting('streampos.max_held_per_session')")[0][0])
+        n = limit + 3
         ctxs = [g.get_next() for _ in range(n)]
         ids = [self.enter(c) for c in ctxs]
         self.assertEqual(self.sql("SELECT sum(ids) FROM streampos.in_flight('receipts')")[0][0], n)
+        self.assertEqual(self.sql("SELECT count(DISTINCT pid) FROM streampos.in_flight('receipts')")[0][0], 2)
         for c in reversed(ctxs):
             self.exit(c)
         self.assertEqual(self.sql("SELECT count(*) FROM streampos.in_flight('receipts')")[0][0], 0)
@@ -282,8 +291,10 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         stream_id = self.enter(ctx)
         pid = self.sql("SELECT pid FROM streampos.in_flight('receipts')")[0][0]
         self.sql("SELECT pg_terminate_backend(%s, 10000)", pid)
+        # Orphaned, then released by the position worker (no transaction
+        # was running when the session ended).
+        self.wait_until(lambda: self.sql("SELECT streampos.frontier('receipts')")[0][0] >= stream_id)
         self.assertEqual(self.sql("SELECT count(*) FROM streampos.in_flight('receipts')")[0][0], 0)
-        self.assertGreaterEqual(self.sql("SELECT streampos.frontier('receipts')")[0][0], stream_id)
         f = self.get_failure(ctx.__aexit__(None, None, None), HoldLostError)
         self.assertIn(str(stream_id), str(f.value))
         ctx2 = g.get_next()
@@ -300,7 +311,57 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         self.sql("SELECT pg_terminate_backend(%s, 10000)", pid)
         self.get_success(ctx.__aexit__(ValueError, ValueError("persist failed"), None))
 
+    def test_get_next_txn_in_autocommit_is_held_until_the_interaction_ends(self) -> None:
+        """In an autocommit interaction each statement commits: the IDs are
+        held instead, and released once the interaction is over."""
+        g = self.gen("_cache_id_gen")
+        seen = {}
+
+        def txn(t: LoggingTransaction) -> int:
+            stream_id = g.get_next_txn(t)
+            t.execute("SELECT 1")  # a statement of its own: commits
+            seen["in_flight"] = self.sql("SELECT min_id, xid FROM streampos.in_flight('caches')")
+            return stream_id
+
+        stream_id = self.get_success(self.db_pool.runInteraction("test", txn, db_autocommit=True))
+        self.assertEqual(seen["in_flight"], [(stream_id, None)])
+        self.pump()
+        self.assertEqual(self.sql("SELECT count(*) FROM streampos.in_flight('caches')")[0][0], 0)
+        self.assertEqual(self.sql("SELECT streampos.frontier('caches')")[0][0], stream_id)
+
     # ------------------------------------------------------------ registration
+
+    def other_database(self, name: str) -> Any:
+        """A stand-in for a DatabasePool of another database (what Sessions
+        reads of it)."""
+        self.sql(f"DROP DATABASE IF EXISTS {name}")
+        self.sql(f"CREATE DATABASE {name}")
+        self.addCleanup(self.sql, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        config = self.db_pool._database_config
+        clone = copy.deepcopy(config)
+        clone.config["args"]["dbname"] = name
+        return types.SimpleNamespace(_database_config=clone, engine=self.db_pool.engine, server_name="test")
+
+    def test_extension_missing_or_old(self) -> None:
+        db = self.other_database("streampos_trial_noext")
+        sessions = Sessions(db)
+        self.addCleanup(sessions.close)
+        with self.assertRaises(streampos.synapse.RegistrationError) as e:
+            sessions.check_extension()
+        self.assertIn("CREATE EXTENSION streampos", str(e.exception))
+
+        db = self.other_database("streampos_trial_old")
+        args = {k: v for k, v in db._database_config.config["args"].items() if not k.startswith("cp_")}
+        with psycopg2.connect(**args) as c:
+            c.autocommit = True
+            c.cursor().execute("CREATE EXTENSION streampos VERSION '0.2.0'")
+        c.close()
+        sessions = Sessions(db)
+        self.addCleanup(sessions.close)
+        with self.assertRaises(streampos.synapse.RegistrationError) as e:
+            sessions.check_extension()
+        self.assertIn("ALTER EXTENSION streampos UPDATE", str(e.exception))
+
 
     def test_concurrent_registration(self) -> None:
         """Eight processes' start-ups registering the same new stream at
@@ -347,16 +408,3 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         with self.assertRaises(streampos.synapse.RegistrationError) as e:
             sessions.register("mismatch", "mine_seq", [], False)
         self.assertIn("other_seq", str(e.exception))
-
-
-class StockOnSqliteTestCase(HomeserverTestCase):
-    """Without PostgreSQL the replacement constructs Synapse's own class
-    (SQLite homeservers are monoliths: no stream to share)."""
-
-    if USE_POSTGRES_FOR_TESTS:
-        skip = "SQLite only"
-
-    def test_sqlite_falls_back(self) -> None:
-        store = self.hs.get_datastores().main
-        self.assertNotIsInstance(store.db_pool.engine, PostgresEngine)
-        self.assertIs(type(store._stream_id_gen), SYNAPSE_MULTI_WRITER_ID_GENERATOR)

@@ -7,23 +7,18 @@ held by a database session with ``streampos.hold_ids`` and released with
 ``streampos.release_ids`` on the same session once the context exits. Pool
 connections differ from call to call, so the sessions here are connections
 opened for the purpose, one set per ``DatabasePool`` (per process and
-database), shared by every generator of that pool. A session holds at most
-``streampos.max_held_per_session`` allocations; beyond that (53400) another
-session is opened.
+database), shared by every generator of that pool: normally one connection,
+another only while every open one holds ``streampos.max_held_per_session``
+allocations (53400). The first session also registers streams at start-up.
 
 If a session dies (its backend is terminated, the server restarts, the
-network fails), the server releases its IDs once every transaction running
-at that moment has ended. A transaction that was already writing the rows
-when the session died is therefore safe; one that starts afterwards is not,
-so the generator must not let Synapse use those IDs: every context whose
-session died fails with :class:`HoldLostError` when it exits (a loud failure
-of the request that persisted the rows), and new contexts use a new session.
-
-Before 0.3.0 the extension has no ``hold_ids``: the IDs are then allocated
-by ``streampos.next_ids`` in a transaction held open on a connection of its
-own per running context (committed at exit), with the same loud failure if
-that connection dies. That transaction pins the cluster's xmin horizon for
-the duration of the context.
+network fails), the server keeps its IDs held until every transaction
+running at that moment has ended, then releases them. A transaction that was
+already writing the rows when the session died is therefore safe; one that
+starts afterwards is not, so the generator must not let Synapse trust those
+IDs: every context whose session died fails with :class:`HoldLostError` when
+it exits (a loud failure of the request that persisted the rows), and new
+contexts use a new session.
 
 Every method here blocks: the generator calls them from Synapse's database
 threads (inside ``runInteraction``) or during start-up.
@@ -43,23 +38,20 @@ logger = logging.getLogger(__name__)
 
 # A transaction-level advisory lock taken while registering streams: two
 # processes starting at once register one after the other, and the second
-# finds the work done. The key spells "streampos" in ASCII in the high bytes.
+# finds the work done. The key spells "streampo" in ASCII.
 _REGISTER_LOCK_KEY = 0x73747265616D706F
 
-_EXTENSION_SQL = "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'streampos'"
-_HOLDS_SUPPORTED_SQL = """
-SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
-                 JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
-                WHERE n.nspname = 'streampos' AND p.proname = 'hold_ids')
+_EXTENSION_SQL = """
+SELECT e.extversion,
+       EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+                WHERE p.pronamespace = e.extnamespace AND p.proname = 'hold_ids')
+  FROM pg_catalog.pg_extension e WHERE e.extname = 'streampos'
 """
 _STREAM_SQL = """
 SELECT st.backwards, st.seq::regclass::text, st.seq = ?::regclass
   FROM streampos.streams st WHERE st.stream_name = ?
 """
-_TABLES_SQL = """
-SELECT tbl::regclass::text, id_column, instance_column, tbl = ?::regclass
-  FROM streampos.stream_tables WHERE stream_name = ?
-"""
+_TABLE_REGISTERED_SQL = "SELECT 1 FROM streampos.stream_tables WHERE stream_name = ? AND tbl = ?::regclass"
 
 
 class HoldLostError(Exception):
@@ -70,8 +62,8 @@ class HoldLostError(Exception):
 
 
 class RegistrationError(Exception):
-    """The stream cannot be registered or used (no extension, privileges,
-    a registration that does not match Synapse's)."""
+    """The stream cannot be registered or used (no extension, an extension
+    older than 0.3.0, privileges, a registration that is not Synapse's)."""
 
 
 def sqlstate(e: BaseException) -> Optional[str]:
@@ -80,21 +72,18 @@ def sqlstate(e: BaseException) -> Optional[str]:
 
 
 class _Session:
-    """One connection of ours. ``lock`` serialises its use."""
+    """One connection of ours (autocommit). ``lock`` serialises its use."""
 
-    def __init__(self, conn: "LoggingDatabaseConnection", transactional: bool) -> None:
+    def __init__(self, conn: "LoggingDatabaseConnection") -> None:
         self.conn = conn
         self.lock = threading.Lock()
         self.holds = 0
         self.full = False
         self.lost = False
-        # Transaction holds: the connection is busy with one open context.
-        self.transactional = transactional
-        self.busy = False
 
 
 class Hold:
-    """What a context holds: its IDs and the session they are held by."""
+    """What a context holds: its IDs (external values) and their session."""
 
     __slots__ = ("session", "stream", "ids", "released")
 
@@ -109,21 +98,17 @@ class Sessions:
     """The generator connections of one ``DatabasePool``."""
 
     def __init__(self, db: "DatabasePool") -> None:
-        self._db_ref = weakref.ref(db)
         self._config = db._database_config
         self._engine = db.engine
         self._server_name = db.server_name
         self._lock = threading.Lock()
         self._sessions: List[_Session] = []
-        self._admin: Optional[_Session] = None
-        self._holds_supported: Optional[bool] = None
-        self._version: Optional[str] = None
-        self._instances: set = set()
+        self._extension: Optional[Tuple[str, bool]] = None
         self._closed = False
 
     # ------------------------------------------------------------ plumbing
 
-    def _connect(self) -> "LoggingDatabaseConnection":
+    def _connect(self) -> _Session:
         from synapse.storage.database import make_conn
 
         if self._closed:
@@ -135,7 +120,7 @@ class Sessions:
             server_name=self._server_name,
         )
         self._engine.attempt_to_set_autocommit(conn.conn, True)
-        return conn
+        return _Session(conn)
 
     def _is_dead(self, session: _Session, e: BaseException) -> bool:
         module = self._engine.module
@@ -151,20 +136,33 @@ class Sessions:
         finally:
             cur.close()
 
-    def _admin_session(self) -> _Session:
-        """The connection for registration and checks (never holds IDs)."""
-        if self._admin is None or self._admin.lost or self._engine.is_connection_closed(self._admin.conn.conn):
-            self._admin = _Session(self._connect(), transactional=False)
-        return self._admin
+    def _first(self) -> _Session:
+        """The first live session (registration and checks use it)."""
+        with self._lock:
+            for s in self._sessions:
+                if not s.lost and not self._engine.is_connection_closed(s.conn.conn):
+                    return s
+            session = self._connect()
+            self._sessions.insert(0, session)
+            return session
+
+    def _drop(self, session: _Session) -> None:
+        session.lost = True
+        with self._lock:
+            if session in self._sessions:
+                self._sessions.remove(session)
+        try:
+            session.conn.close()
+        except Exception:  # already gone
+            pass
 
     def close(self) -> None:
-        """Close every connection (at shutdown): IDs still held are released
-        by the server once the transactions running now have ended."""
+        """Close every connection (at shutdown). IDs still held stay in
+        flight until the transactions running now have ended."""
         with self._lock:
             self._closed = True
             sessions, self._sessions = self._sessions, []
-            admin, self._admin = self._admin, None
-        for s in sessions + ([admin] if admin else []):
+        for s in sessions:
             s.lost = True
             try:
                 s.conn.close()
@@ -173,15 +171,24 @@ class Sessions:
 
     # ------------------------------------------------------------ registration
 
-    def extension_version(self) -> Optional[str]:
-        if self._version is not None:
-            return self._version
-        with self._lock:
-            session = self._admin_session()
-        with session.lock:
-            rows = self._execute(session, _EXTENSION_SQL)
-        self._version = rows[0][0] if rows else None
-        return self._version
+    def check_extension(self) -> None:
+        """The extension must be in the database, with holds (0.3.0)."""
+        if self._extension is None:
+            session = self._first()
+            with session.lock:
+                rows = self._execute(session, _EXTENSION_SQL)
+            if not rows:
+                raise RegistrationError(
+                    "the streampos extension is not installed in this database: as a superuser, "
+                    "CREATE EXTENSION streampos (with shared_preload_libraries = 'streampos')"
+                )
+            self._extension = (rows[0][0], bool(rows[0][1]))
+        version, holds = self._extension
+        if not holds:
+            raise RegistrationError(
+                f"the streampos extension in this database is {version}; streampos.synapse needs "
+                f"0.3.0 or later (hold_ids): as a superuser, ALTER EXTENSION streampos UPDATE"
+            )
 
     def register(
         self,
@@ -196,8 +203,7 @@ class Sessions:
         when several processes start at once: READ COMMITTED under an
         advisory lock, committed at once (not in Synapse's start-up
         transaction). Returns what it did, for the log."""
-        with self._lock:
-            session = self._admin_session()
+        session = self._first()
         done: List[str] = []
         with session.lock:
             self._execute(session, "BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -220,8 +226,7 @@ class Sessions:
                             f"uses {sequence_name} ({'backwards' if backwards else 'forwards'})"
                         )
                 for table, instance_column, id_column in tables:
-                    known = self._execute(session, _TABLES_SQL, (table, stream))
-                    if any(row[3] for row in known):
+                    if self._execute(session, _TABLE_REGISTERED_SQL, (stream, table)):
                         continue
                     self._execute(
                         session,
@@ -237,7 +242,7 @@ class Sessions:
                     session.lost = True
                 raise
             # Synapse's check_consistency: move the sequence past every row
-            # (after a restore, say); the extension refuses to move it back.
+            # (after a restore, say); the extension never moves it back.
             for check_name, ok, detail in self._execute(
                 session, "SELECT check_name, ok, detail FROM streampos.check_stream(?, repair => true)", (stream,)
             ):
@@ -247,139 +252,66 @@ class Sessions:
 
     # ------------------------------------------------------------ holds
 
-    def holds_supported(self) -> bool:
-        if self._holds_supported is None:
-            with self._lock:
-                session = self._admin_session()
-            with session.lock:
-                self._holds_supported = bool(self._execute(session, _HOLDS_SUPPORTED_SQL)[0][0])
-            if not self._holds_supported:
-                logger.warning(
-                    "the streampos extension in this database has no hold_ids (older than 0.3.0): "
-                    "get_next() holds its IDs in an open transaction per context; run "
-                    "ALTER EXTENSION streampos UPDATE"
-                )
-        return self._holds_supported
-
     def _pick(self) -> _Session:
-        transactional = not self.holds_supported()
         with self._lock:
             for s in self._sessions:
-                if s.lost or (s.busy if transactional else s.full):
-                    continue
-                if transactional:
-                    s.busy = True
-                return s
-            session = _Session(self._connect(), transactional)
-            session.busy = transactional
-            self._sessions.append(session)
-            return session
-
-    def _drop(self, session: _Session) -> None:
-        session.lost = True
+                if not s.lost and not s.full:
+                    return s
+        # Every session is full (or there is none yet).
+        session = self._connect()
         with self._lock:
-            if session in self._sessions:
-                self._sessions.remove(session)
-        try:
-            session.conn.close()
-        except Exception:
-            pass
-
-    def _ensure_instance(self, session: _Session, writer: str) -> None:
-        """A writer's first allocation creates its instance row; in an open
-        transaction that row's lock would be held until the context exits,
-        and Synapse's own transactions allocating as the same writer would
-        wait for it (a wait no server sees: a deadlock through the client).
-        Create it in a transaction of its own first."""
-        if writer in self._instances:
-            return
-        try:
-            self._execute(session, "SELECT streampos.instance_id(?)", (writer,))
-        except Exception as e:
-            if self._is_dead(session, e) or sqlstate(e) != "42501":
-                raise
-            # Without the grant next_ids creates it; nothing else to do.
-        self._instances.add(writer)
+            self._sessions.append(session)
+        return session
 
     def hold(self, stream: str, writer: str, n: int) -> Hold:
-        """Allocate n IDs (external values, allocation order) held until
-        :meth:`release`."""
+        """Allocate n IDs (external values, allocation order), held by one of
+        our sessions until :meth:`release`."""
         while True:
             session = self._pick()
             try:
                 with session.lock:
-                    if session.transactional:
-                        self._ensure_instance(session, writer)
-                        self._execute(session, "BEGIN")
-                        ids = self._execute(session, "SELECT streampos.next_ids(?, ?, ?)", (stream, writer, n))[0][0]
-                    else:
-                        ids = self._execute(session, "SELECT streampos.hold_ids(?, ?, ?)", (stream, writer, n))[0][0]
-                        session.holds += 1
+                    ids = self._execute(session, "SELECT streampos.hold_ids(?, ?, ?)", (stream, writer, n))[0][0]
+                    session.holds += 1
                 return Hold(session, stream, list(ids))
-            except BaseException as e:
-                if session.transactional:
-                    self._end_transaction(session, "ROLLBACK")
-                if sqlstate(e) == "53400" and not session.transactional:
+            except Exception as e:
+                if sqlstate(e) == "53400":
                     # This session holds as many allocations as a session may.
                     session.full = True
                     continue
                 if self._is_dead(session, e):
-                    # Died while idle: nothing of ours was held by it that a
-                    # context has not already been told about. Once more.
+                    # Died while idle: the contexts it held for learn it at
+                    # their exit. Take a new one.
                     self._drop(session)
                     continue
                 raise
 
-    def _end_transaction(self, session: _Session, statement: str) -> None:
-        try:
-            with session.lock:
-                self._execute(session, statement)
-        except Exception as e:
-            if self._is_dead(session, e):
-                self._drop(session)
-            raise
-        finally:
-            session.busy = False
-
     def release(self, hold: Hold) -> None:
-        """Finish the IDs of ``hold`` (after the rows' transaction committed).
-        Idempotent. Raises HoldLostError if its session died first."""
+        """Finish the IDs of ``hold`` (after the rows' transaction
+        committed). Idempotent. Raises HoldLostError if its session died
+        first."""
         if hold.released:
             return
         session = hold.session
+        hold.released = True
         if session.lost:
-            hold.released = True
             raise self._lost(hold)
         try:
-            if session.transactional:
-                try:
-                    self._end_transaction(session, "COMMIT")
-                except Exception as e:
-                    if session.lost:
-                        raise self._lost(hold) from e
-                    raise
-            else:
-                try:
-                    with session.lock:
-                        self._execute(
-                            session, "SELECT streampos.release_ids(?, ?::bigint[])", (hold.stream, hold.ids)
-                        )
-                except Exception as e:
-                    if self._is_dead(session, e):
-                        self._drop(session)
-                        raise self._lost(hold) from e
-                    raise
+            with session.lock:
+                self._execute(session, "SELECT streampos.release_ids(?, ?::bigint[])", (hold.stream, hold.ids))
                 session.holds -= 1
                 session.full = False
-        finally:
-            hold.released = True
+        except Exception as e:
+            if self._is_dead(session, e):
+                self._drop(session)
+                raise self._lost(hold) from e
+            raise
 
     @staticmethod
     def _lost(hold: Hold) -> HoldLostError:
         return HoldLostError(
             f"stream {hold.stream!r}: the session holding IDs {hold.ids} ended before they were "
-            f"released; the server released them, so rows written with them by a transaction that "
-            f"began after that may be missed by readers"
+            f"released; the server released them once the transactions running then had ended, so "
+            f"rows written with them by a transaction that began later may be missed by readers"
         )
 
 

@@ -101,12 +101,7 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
         self._positions = Positions(instance_name, gauge.set)
         self._sessions: Sessions = sessions_for(db)
 
-        version = self._sessions.extension_version()
-        if version is None:
-            raise RegistrationError(
-                "the streampos extension is not installed in this database: as a superuser, "
-                "CREATE EXTENSION streampos (with shared_preload_libraries = 'streampos')"
-            )
+        self._sessions.check_extension()
         try:
             for line in self._sessions.register(stream_name, sequence_name, self._tables, not positive):
                 logger.info("streampos stream %s: %s", stream_name, line)
