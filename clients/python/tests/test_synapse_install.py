@@ -79,3 +79,28 @@ def test_launcher_usage(argv):
     )
     assert proc.returncode == 2
     assert "streampos.synapse" in proc.stderr
+
+
+def test_sqlite_gives_synapses_class(monkeypatch):
+    """On SQLite (a monolith) the replacement constructs Synapse's own class
+    with the same arguments."""
+    import types
+
+    from synapse.storage.engines import create_engine
+
+    from streampos.synapse import generator
+
+    made = []
+
+    class Stock:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+    monkeypatch.setattr(generator, "SYNAPSE_MULTI_WRITER_ID_GENERATOR", Stock)
+    db = types.SimpleNamespace(engine=create_engine({"name": "sqlite3", "args": {"database": ":memory:"}}))
+    kwargs = dict(db_conn=object(), notifier=object(), stream_name="events", server_name="hs",
+                  instance_name="master", tables=[("events", "instance_name", "stream_ordering")],
+                  sequence_name="events_stream_seq", writers=["master"], positive=True)
+    g = StreamposIdGenerator(db=db, **kwargs)
+    assert isinstance(g, Stock)
+    assert made == [dict(db=db, **kwargs)]
