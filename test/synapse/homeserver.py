@@ -33,6 +33,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -163,7 +164,8 @@ class Homeserver:
     # ---- configuration
 
     def write_config(self) -> None:
-        os.makedirs(self.dir, exist_ok=True)
+        shutil.rmtree(self.dir, ignore_errors=True)  # logs and media of an earlier run
+        os.makedirs(self.dir)
         p = self.ports
         cfg = {
             "server_name": SERVER_NAME,
