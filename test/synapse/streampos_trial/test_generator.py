@@ -223,6 +223,11 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         self.assertEqual(self.sql("SELECT count(*) FROM streampos.in_flight('receipts')")[0][0], 0)
         self.assertEqual(self.sql("SELECT streampos.frontier('receipts')")[0][0], ids[-1])
         self.assertEqual(g.get_current_token(), ids[-1])
+        # Zero IDs: nothing allocated, nothing held.
+        none = g.get_next_mult(0)
+        self.assertEqual(self.enter(none), [])
+        self.exit(none)
+        self.assertEqual(self.sql("SELECT streampos.max_allocated('receipts')")[0][0], ids[-1])
 
     def test_get_next_backwards(self) -> None:
         """backfill hands out negative IDs, held like the others."""

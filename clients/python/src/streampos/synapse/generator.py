@@ -152,6 +152,8 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
 
     def _next_ids_txn(self, txn: LoggingTransaction, n: int) -> List[int]:
         """n IDs (internal values) in flight until ``txn`` ends."""
+        if n == 0:
+            return []
         ticket = self._positions.begin_allocation()
         ids: List[int] = []
         try:
@@ -280,6 +282,8 @@ class _HeldIds:
 
     async def __aenter__(self) -> Any:
         gen = self.gen
+        if self.n == 0:
+            return []
         try:
             # As Synapse's: a database interaction named _load_next_mult_id
             # (a pool thread runs it; the hold is on our session).
@@ -304,7 +308,8 @@ class _HeldIds:
         tb: Optional[TracebackType],
     ) -> bool:
         gen = self.gen
-        assert self.hold is not None
+        if self.hold is None:  # get_next_mult(0)
+            return False
         gen._positions.finish(self._ids())
         gen._notifier.notify_replication()
         try:
