@@ -7,10 +7,8 @@ test's own (psycopg2, autocommit) reads what the database says while
 Synapse's transactions and holds are open.
 """
 
-import copy
 import threading
 import time
-import types
 from typing import Any, List
 from unittest import mock
 
@@ -20,7 +18,7 @@ from twisted.internet.testing import MemoryReactor
 
 import streampos.synapse
 from streampos.synapse import HoldLostError, StreamposIdGenerator
-from streampos.synapse._sessions import Sessions
+from streampos.synapse._sessions import Sessions, new_sessions
 from streampos.synapse.generator import SYNAPSE_MULTI_WRITER_ID_GENERATOR
 from synapse.logging.context import LoggingContext, make_deferred_yieldable
 from synapse.rest import admin
@@ -336,37 +334,41 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
 
     # ------------------------------------------------------------ registration
 
-    def other_database(self, name: str) -> Any:
-        """A stand-in for a DatabasePool of another database (what Sessions
-        reads of it)."""
+    def other_database(self, name: str) -> Sessions:
+        """Sessions on a new database of the same server."""
         self.sql(f"DROP DATABASE IF EXISTS {name}")
         self.sql(f"CREATE DATABASE {name}")
         self.addCleanup(self.sql, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        config = self.db_pool._database_config
-        clone = copy.deepcopy(config)
-        clone.config["args"]["dbname"] = name
-        return types.SimpleNamespace(_database_config=clone, engine=self.db_pool.engine, server_name="test")
+        args = {k: v for k, v in self.db_pool._database_config.config["args"].items() if not k.startswith("cp_")}
+        args["dbname"] = name
+        sessions = Sessions(lambda: psycopg2.connect(**args), self.db_pool.engine, "test")
+        self.addCleanup(sessions.close)
+        return sessions
 
     def test_extension_missing_or_old(self) -> None:
-        db = self.other_database("streampos_trial_noext")
-        sessions = Sessions(db)
-        self.addCleanup(sessions.close)
+        sessions = self.other_database("streampos_trial_noext")
         with self.assertRaises(streampos.synapse.RegistrationError) as e:
             sessions.check_extension()
         self.assertIn("CREATE EXTENSION streampos", str(e.exception))
 
-        db = self.other_database("streampos_trial_old")
-        args = {k: v for k, v in db._database_config.config["args"].items() if not k.startswith("cp_")}
-        with psycopg2.connect(**args) as c:
+        sessions = self.other_database("streampos_trial_old")
+        args = {k: v for k, v in self.db_pool._database_config.config["args"].items() if not k.startswith("cp_")}
+        with psycopg2.connect(**{**args, "dbname": "streampos_trial_old"}) as c:
             c.autocommit = True
             c.cursor().execute("CREATE EXTENSION streampos VERSION '0.2.0'")
         c.close()
-        sessions = Sessions(db)
-        self.addCleanup(sessions.close)
         with self.assertRaises(streampos.synapse.RegistrationError) as e:
             sessions.check_extension()
         self.assertIn("ALTER EXTENSION streampos UPDATE", str(e.exception))
 
+    def test_registration_connection_closes_once_the_reactor_runs(self) -> None:
+        sessions = new_sessions(self.db_pool)
+        self.addCleanup(sessions.close)
+        sessions.check_extension()
+        pid = sessions._admin.conn.get_backend_pid()
+        self.assertEqual(self.sql("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", pid), [(1,)])
+        self.pump()
+        self.wait_until(lambda: self.sql("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", pid) == [(0,)])
 
     def test_concurrent_registration(self) -> None:
         """Eight processes' start-ups registering the same new stream at
@@ -378,7 +380,7 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         results: List[Any] = []
 
         def start() -> None:
-            sessions = Sessions(self.db_pool)
+            sessions = new_sessions(self.db_pool)
             try:
                 barrier.wait()
                 results.append(
@@ -408,7 +410,7 @@ class StreamposGeneratorTestCase(HomeserverTestCase):
         self.sql("CREATE SEQUENCE other_seq")
         self.sql("SELECT streampos.adopt_stream('mismatch', 'other_seq')")
         self.sql("CREATE SEQUENCE mine_seq")
-        sessions = Sessions(self.db_pool)
+        sessions = new_sessions(self.db_pool)
         self.addCleanup(sessions.close)
         with self.assertRaises(streampos.synapse.RegistrationError) as e:
             sessions.register("mismatch", "mine_seq", [], False)

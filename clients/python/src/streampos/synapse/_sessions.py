@@ -6,10 +6,12 @@ Synapse's pooled connections), so it cannot belong to a transaction: it is
 held by a database session with ``streampos.hold_ids`` and released with
 ``streampos.release_ids`` on the same session once the context exits. Pool
 connections differ from call to call, so the sessions here are connections
-opened for the purpose, one set per ``DatabasePool`` (per process and
-database), shared by every generator of that pool: normally one connection,
-another only while every open one holds ``streampos.max_held_per_session``
-allocations (53400). The first session also registers streams at start-up.
+opened for the purpose, like those of Synapse's connection pool (same
+arguments, same set-up), one set per pool (per process and database),
+shared by every generator using it: normally one connection, another only
+while every open one holds ``streampos.max_held_per_session`` allocations
+(53400). Streams are registered at start-up on one more connection, closed
+once the reactor runs.
 
 If a session dies (its backend is terminated, the server restarts, the
 network fails), the server keeps its IDs held until every transaction
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     from synapse.storage.database import DatabasePool, LoggingDatabaseConnection
@@ -85,9 +87,10 @@ class _Session:
 class Hold:
     """What a context holds: its IDs (external values) and their session."""
 
-    __slots__ = ("session", "stream", "ids", "released")
+    __slots__ = ("owner", "session", "stream", "ids", "released")
 
-    def __init__(self, session: _Session, stream: str, ids: List[int]) -> None:
+    def __init__(self, owner: "Sessions", session: _Session, stream: str, ids: List[int]) -> None:
+        self.owner = owner
         self.session = session
         self.stream = stream
         self.ids = ids
@@ -95,32 +98,43 @@ class Hold:
 
 
 class Sessions:
-    """The generator connections of one ``DatabasePool``."""
+    """The generator connections of one of Synapse's connection pools.
 
-    def __init__(self, db: "DatabasePool") -> None:
-        self._config = db._database_config
-        self._engine = db.engine
-        self._server_name = db.server_name
+    ``connect`` opens a DB-API connection set up as the pool's are;
+    ``call_soon`` runs a function once the reactor runs (to close the
+    registration connection after start-up)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        engine: Any,
+        server_name: str,
+        call_soon: Optional[Callable[[Callable[[], None]], Any]] = None,
+    ) -> None:
+        self._connect_raw = connect
+        self._engine = engine
+        self._server_name = server_name
+        self._call_soon = call_soon
         self._lock = threading.Lock()
         self._sessions: List[_Session] = []
+        self._admin: Optional[_Session] = None
         self._extension: Optional[Tuple[str, bool]] = None
         self._closed = False
 
     # ------------------------------------------------------------ plumbing
 
     def _connect(self) -> _Session:
-        from synapse.storage.database import make_conn
+        from synapse.storage.database import LoggingDatabaseConnection
 
         if self._closed:
             raise HoldLostError("the homeserver is shutting down: no new stream IDs")
-        conn = make_conn(
-            db_config=self._config,
-            engine=self._engine,
-            default_txn_name="streampos",
-            server_name=self._server_name,
+        raw = self._connect_raw()
+        self._engine.attempt_to_set_autocommit(raw, True)
+        return _Session(
+            LoggingDatabaseConnection(
+                conn=raw, engine=self._engine, default_txn_name="streampos", server_name=self._server_name
+            )
         )
-        self._engine.attempt_to_set_autocommit(conn.conn, True)
-        return _Session(conn)
 
     def _is_dead(self, session: _Session, e: BaseException) -> bool:
         module = self._engine.module
@@ -136,15 +150,28 @@ class Sessions:
         finally:
             cur.close()
 
-    def _first(self) -> _Session:
-        """The first live session (registration and checks use it)."""
+    def _admin_session(self) -> _Session:
+        """The registration connection: opened when a generator is
+        constructed, closed once the reactor runs (start-up is over)."""
         with self._lock:
-            for s in self._sessions:
-                if not s.lost and not self._engine.is_connection_closed(s.conn.conn):
-                    return s
-            session = self._connect()
-            self._sessions.insert(0, session)
-            return session
+            admin = self._admin
+            if admin is not None and not admin.lost and not self._engine.is_connection_closed(admin.conn.conn):
+                return admin
+            admin = self._admin = self._connect()
+        if self._call_soon is not None:
+            self._call_soon(lambda: self._close_admin(admin))
+        return admin
+
+    def _close_admin(self, admin: _Session) -> None:
+        with self._lock:
+            if self._admin is admin:
+                self._admin = None
+        with admin.lock:
+            admin.lost = True
+            try:
+                admin.conn.close()
+            except Exception:  # already gone
+                pass
 
     def _drop(self, session: _Session) -> None:
         session.lost = True
@@ -162,6 +189,9 @@ class Sessions:
         with self._lock:
             self._closed = True
             sessions, self._sessions = self._sessions, []
+            if self._admin is not None:
+                sessions.append(self._admin)
+                self._admin = None
         for s in sessions:
             s.lost = True
             try:
@@ -174,7 +204,7 @@ class Sessions:
     def check_extension(self) -> None:
         """The extension must be in the database, with holds (0.3.0)."""
         if self._extension is None:
-            session = self._first()
+            session = self._admin_session()
             with session.lock:
                 rows = self._execute(session, _EXTENSION_SQL)
             if not rows:
@@ -203,7 +233,7 @@ class Sessions:
         when several processes start at once: READ COMMITTED under an
         advisory lock, committed at once (not in Synapse's start-up
         transaction). Returns what it did, for the log."""
-        session = self._first()
+        session = self._admin_session()
         done: List[str] = []
         with session.lock:
             self._execute(session, "BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -272,7 +302,7 @@ class Sessions:
                 with session.lock:
                     ids = self._execute(session, "SELECT streampos.hold_ids(?, ?, ?)", (stream, writer, n))[0][0]
                     session.holds += 1
-                return Hold(session, stream, list(ids))
+                return Hold(self, session, stream, list(ids))
             except Exception as e:
                 if sqlstate(e) == "53400":
                     # This session holds as many allocations as a session may.
@@ -319,15 +349,30 @@ _by_pool: "weakref.WeakKeyDictionary[Any, Sessions]" = weakref.WeakKeyDictionary
 _by_pool_lock = threading.Lock()
 
 
+def new_sessions(db: "DatabasePool") -> Sessions:
+    """Sessions connecting as ``db``'s connection pool does, now."""
+    pool = db._db_pool
+
+    def connect() -> Any:
+        conn = pool.dbapi.connect(*pool.connargs, **pool.connkw)
+        if pool.openfun is not None:
+            pool.openfun(conn)  # Synapse's set-up of a new connection
+        return conn
+
+    reactor = db.hs.get_reactor()
+    return Sessions(connect, db.engine, db.server_name, lambda f: reactor.callLater(0, f))
+
+
 def sessions_for(db: "DatabasePool") -> Sessions:
-    """The sessions of ``db``, created on first use and closed with
-    Synapse's connection pool (at shutdown; in Synapse's tests, before each
-    test's database is dropped)."""
+    """The sessions of the connection pool ``db`` uses now, created on first
+    use and closed with it (at shutdown; in Synapse's tests, before each
+    test's database is dropped). Looked up at each use: Synapse's tests give
+    a worker's store the main process's pool after building it."""
+    pool = db._db_pool
     with _by_pool_lock:
-        sessions = _by_pool.get(db)
+        sessions = _by_pool.get(pool)
         if sessions is None:
-            sessions = _by_pool[db] = Sessions(db)
-            pool = db._db_pool
+            sessions = _by_pool[pool] = new_sessions(db)
             final_close = pool.finalClose
 
             # The pool's shutdown trigger and close() both call finalClose.

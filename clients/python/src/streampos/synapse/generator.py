@@ -39,7 +39,7 @@ from synapse.storage.util import id_generators as _synapse_id_generators
 from synapse.storage.util.id_generators import AbstractStreamIdGenerator, stream_current_position_gauge
 
 from ._positions import Positions
-from ._sessions import Hold, HoldLostError, RegistrationError, Sessions, sessions_for, sqlstate
+from ._sessions import Hold, HoldLostError, RegistrationError, sessions_for, sqlstate
 
 if TYPE_CHECKING:
     from synapse.notifier import ReplicationNotifier
@@ -99,11 +99,11 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
         gauge = stream_current_position_gauge.labels(stream_name=stream_name, **{SERVER_NAME_LABEL: server_name})
         # Reported positive, for backward streams too (as Synapse does).
         self._positions = Positions(instance_name, gauge.set)
-        self._sessions: Sessions = sessions_for(db)
 
-        self._sessions.check_extension()
+        sessions = sessions_for(db)
+        sessions.check_extension()
         try:
-            for line in self._sessions.register(stream_name, sequence_name, self._tables, not positive):
+            for line in sessions.register(stream_name, sequence_name, self._tables, not positive):
                 logger.info("streampos stream %s: %s", stream_name, line)
         except RegistrationError:
             raise
@@ -166,7 +166,7 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
                 # An autocommit "transaction" would finish the IDs at the end
                 # of the statement, before the rows are written: hold them
                 # until Synapse's interaction is over instead.
-                hold = self._sessions.hold(self._stream_name, self._instance_name, n)
+                hold = sessions_for(self._db).hold(self._stream_name, self._instance_name, n)
                 ids = [i * self._return_factor for i in hold.ids]
                 txn.call_after(self._release_in_background, hold)
                 txn.call_on_exception(self._release_in_background, hold)
@@ -210,13 +210,13 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
         ticket = self._positions.begin_allocation()
         ids: List[int] = []
         try:
-            ctx.hold = self._sessions.hold(self._stream_name, self._instance_name, ctx.n or 1)
+            ctx.hold = sessions_for(self._db).hold(self._stream_name, self._instance_name, ctx.n or 1)
             ids = [i * self._return_factor for i in ctx.hold.ids]
         finally:
             self._positions.end_allocation(ticket, ids)
 
     def _release_txn(self, txn: LoggingTransaction, hold: Hold) -> None:
-        self._sessions.release(hold)
+        hold.owner.release(hold)
 
     async def _release(self, hold: Hold) -> None:
         await self._db.runInteraction("StreamposIdGenerator._release", self._release_txn, hold, db_autocommit=True)
