@@ -54,11 +54,10 @@ SYNAPSE_MULTI_WRITER_ID_GENERATOR = _synapse_id_generators.MultiWriterIdGenerato
 # One statement, one snapshot: frontier, highest allocated ID and the
 # writers' positions agree with each other.
 _POSITIONS_SQL = """
-SELECT streampos.frontier(?), streampos.max_allocated(?),
-       (SELECT COALESCE(pg_catalog.array_agg(w.instance_name ORDER BY w.instance_id), '{}')
-          FROM streampos.writer_positions(?) w),
-       (SELECT COALESCE(pg_catalog.array_agg(w.stream_id ORDER BY w.instance_id), '{}')
-          FROM streampos.writer_positions(?) w)
+SELECT streampos.frontier(?), streampos.max_allocated(?), w.names, w.positions
+  FROM (SELECT COALESCE(pg_catalog.array_agg(instance_name ORDER BY instance_id), '{}') AS names,
+               COALESCE(pg_catalog.array_agg(stream_id ORDER BY instance_id), '{}') AS positions
+          FROM streampos.writer_positions(?)) w
 """
 _VISIBLE_SQL = "SELECT 1 FROM streampos.streams WHERE stream_name = ?"
 
@@ -105,8 +104,6 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
         try:
             for line in sessions.register(stream_name, sequence_name, self._tables, not positive):
                 logger.info("streampos stream %s: %s", stream_name, line)
-        except RegistrationError:
-            raise
         except Exception as e:
             if sqlstate(e) == "42501":
                 raise RegistrationError(
@@ -134,7 +131,7 @@ class StreamposIdGenerator(AbstractStreamIdGenerator):
                 # stream, on the first start.
                 db_conn.commit()
             s = self._stream_name
-            cur.execute(_POSITIONS_SQL, (s, s, s, s))
+            cur.execute(_POSITIONS_SQL, (s, s, s))
             row = cur.fetchone()
         finally:
             cur.close()
