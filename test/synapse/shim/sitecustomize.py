@@ -1,0 +1,131 @@
+"""Loaded by every Python process of a scripts/synapse-tests run (the shim
+directory is on PYTHONPATH; Twisted trial passes it on to its workers).
+
+STREAMPOS_SYNAPSE_TREE   Synapse's unpacked sdist: put first on sys.path, so
+                         that `synapse` and `tests` are imported from it.
+STREAMPOS_SYNAPSE_MODE   stock      Synapse as it is (the baseline), only counted
+                         streampos  streampos.synapse.install(), and the extension
+                                    created in every database Synapse's tests
+                                    prepare (the base database each trial process
+                                    clones per test: tests/utils.py:setupdb)
+                         class      as streampos, and the name in Synapse's
+                                    id_generators module rebound too, so that
+                                    tests of the class itself construct the
+                                    replacement (see test/synapse/README.md)
+STREAMPOS_SYNAPSE_COUNTS a directory: each process writes there, at exit, which
+                         class each module constructed, per stream.
+Nothing of Synapse's files is changed: its functions are wrapped at runtime.
+"""
+
+import atexit
+import json
+import os
+import sys
+
+_TREE = os.environ.get("STREAMPOS_SYNAPSE_TREE")
+_MODE = os.environ.get("STREAMPOS_SYNAPSE_MODE")
+_COUNTS = os.environ.get("STREAMPOS_SYNAPSE_COUNTS")
+
+
+def _count(cls, counts):
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "?")
+        key = f"{cls.__name__} {caller} {kwargs.get('stream_name')}"
+        counts[key] = counts.get(key, 0) + 1
+        init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init
+    cls.__init__ = __init__
+
+
+def _create_extension_after_prepare():
+    """Synapse's tests build one base database per process with
+    prepare_database and clone it per test: create the extension in every
+    database prepared on PostgreSQL (a superuser runs the tests)."""
+    from synapse.storage import prepare_database as module
+    from synapse.storage.engines import PostgresEngine
+
+    prepare = module.prepare_database
+
+    def prepare_database(db_conn, database_engine, config, databases=("main", "state")):
+        prepare(db_conn, database_engine, config, databases=databases)
+        if isinstance(database_engine, PostgresEngine):
+            cur = db_conn.cursor(txn_name="streampos_create_extension")
+            cur.execute("CREATE EXTENSION IF NOT EXISTS streampos")
+            cur.close()
+            db_conn.commit()
+
+    prepare_database.__wrapped__ = prepare
+    module.prepare_database = prepare_database
+
+
+def _drop_test_databases_with_force():
+    """Synapse's cleanup drops each test's database with a plain DROP
+    DATABASE, which fails (after five tries of five seconds) while any other
+    session is connected to it, and then leaves the database behind. Two
+    sessions outlive a test here: the extension's position worker, which
+    stays connected to every database that allocated (a limitation of the
+    extension, reported), and, in the multi-worker tests, the connections of
+    a worker homeserver's own pool, which Synapse's tests replace by the main
+    process's pool and never close (stock Synapse leaves those databases
+    behind too). With streampos a database left behind also keeps its
+    streams' registry slots (streampos.max_streams) until it is dropped.
+    So the connections to the base database, from which the cleanup drops,
+    get a cursor that drops WITH (FORCE). Only cleanup changes: the test has
+    finished by then."""
+    import re
+
+    import psycopg2
+    import psycopg2.extensions
+
+    connect = psycopg2.connect
+    drop = re.compile(r"^DROP DATABASE IF EXISTS ([a-z0-9_]+);?$")
+
+    class DropCursor(psycopg2.extensions.cursor):
+        def execute(self, query, vars=None):
+            m = drop.match(query.strip()) if isinstance(query, str) else None
+            if m:
+                query = f"DROP DATABASE IF EXISTS {m.group(1)} WITH (FORCE)"
+            return super().execute(query, vars)
+
+    def drop_aware_connect(*args, **kwargs):
+        if str(kwargs.get("dbname", "")).startswith("_synapse_unit_tests_base_"):
+            kwargs.setdefault("cursor_factory", DropCursor)
+        return connect(*args, **kwargs)
+
+    psycopg2.connect = drop_aware_connect
+
+
+def _main():
+    if _TREE:
+        sys.path.insert(0, _TREE)
+    if _MODE not in ("stock", "streampos", "class"):
+        return
+    counts = {}
+    from synapse.storage.util import id_generators
+
+    stock = id_generators.MultiWriterIdGenerator
+    if _MODE != "stock":
+        import streampos.synapse
+
+        streampos.synapse.install()
+        _create_extension_after_prepare()
+        _drop_test_databases_with_force()
+        _count(streampos.synapse.StreamposIdGenerator, counts)
+        if _MODE == "class":
+            id_generators.MultiWriterIdGenerator = streampos.synapse.StreamposIdGenerator
+    _count(stock, counts)
+    if _COUNTS:
+
+        def write():
+            if counts:
+                path = os.path.join(_COUNTS, f"constructions-{os.getpid()}.json")
+                with open(path, "w") as f:
+                    json.dump(counts, f, indent=1, sort_keys=True)
+
+        atexit.register(write)
+
+
+_main()
