@@ -70,6 +70,10 @@ struct Cache {
     generation: u64,
     /// Shared, not copied: every call of every function looks its stream up.
     streams: FastMap<String, Rc<StreamMeta>>,
+    /// Each stream's usable tables (`updates` reads them on every call),
+    /// under the same rules as `streams`, and also dropped whenever a
+    /// relation or a schema changes (a table renamed, altered or dropped).
+    tables: FastMap<String, Rc<Vec<sql::StreamTable>>>,
     instance_ids: FastMap<String, i32>,
 }
 
@@ -83,6 +87,8 @@ thread_local! {
     /// Set by callbacks (which must not allocate or free): clear everything,
     /// instance ids too, at the next use.
     static CLEAR_ON_NEXT_USE: Cell<bool> = const { Cell::new(false) };
+    /// Set by callbacks: a relation or a schema changed.
+    static TABLES_CHANGED: Cell<bool> = const { Cell::new(false) };
     /// This transaction changed the catalog, as top xid (0: it did not).
     static CHANGED_BY: Cell<u32> = const { Cell::new(0) };
     /// This transaction counted itself in `committing` at pre-commit.
@@ -147,10 +153,15 @@ fn with_cache<R>(generation: u64, f: impl FnOnce(&mut Cache) -> R) -> R {
         let mut cache = c.borrow_mut();
         if CLEAR_ON_NEXT_USE.replace(false) {
             cache.streams.clear();
+            cache.tables.clear();
             cache.instance_ids.clear();
+        }
+        if TABLES_CHANGED.replace(false) {
+            cache.tables.clear();
         }
         if cache.generation != generation {
             cache.streams.clear();
+            cache.tables.clear();
             cache.generation = generation;
         }
         f(&mut cache)
@@ -163,6 +174,7 @@ fn with_instance_cache<R>(f: impl FnOnce(&mut FastMap<String, i32>) -> R) -> R {
         let mut cache = c.borrow_mut();
         if CLEAR_ON_NEXT_USE.replace(false) {
             cache.streams.clear();
+            cache.tables.clear();
             cache.instance_ids.clear();
         }
         f(&mut cache.instance_ids)
@@ -176,8 +188,25 @@ pub fn register_invalidation() {
         pg_sys::CacheRegisterRelcacheCallback(
             Some(on_relcache_invalidation),
             pg_sys::Datum::from(0),
-        )
+        );
+        // A schema renamed changes its tables' names without a relcache
+        // invalidation.
+        pg_sys::CacheRegisterSyscacheCallback(
+            pg_sys::SysCacheIdentifier::NAMESPACEOID as i32,
+            Some(on_namespace_invalidation),
+            pg_sys::Datum::from(0),
+        );
     };
+}
+
+/// A schema changed: only sets flags.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_namespace_invalidation(
+    _arg: pg_sys::Datum,
+    _cache: std::ffi::c_int,
+    _hash: u32,
+) {
+    TABLES_CHANGED.set(true);
 }
 
 /// A relcache invalidation: `relid` changed (InvalidOid: every relation).
@@ -187,6 +216,7 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     // SAFETY: a backend-local OID, read only here and where it is set.
     let ours = unsafe { STREAMS_TABLE };
     crate::sql::relations_changed();
+    TABLES_CHANGED.set(true);
     if relid == pg_sys::InvalidOid || (ours != pg_sys::InvalidOid && relid == ours) {
         CLEAR_ON_NEXT_USE.set(true);
         crate::registry::forget_all_indexes();
@@ -402,6 +432,26 @@ fn lookup(name: &str, view: View) -> Result<Rc<StreamMeta>, Error> {
 /// The stream's catalog row as the caller's snapshot sees it, or 42704.
 pub fn stream(name: &str) -> Result<Rc<StreamMeta>, Error> {
     lookup(name, View::Snapshot)
+}
+
+/// The stream's usable tables as the caller's snapshot sees them
+/// (`sql::stream_tables`), cached under the rules of `stream`.
+pub fn stream_tables(name: &str) -> Rc<Vec<sql::StreamTable>> {
+    let snapshot = Some(registry::caller_snapshot());
+    let generation = cache_generation(snapshot);
+    if let Some(g) = generation {
+        if let Some(tables) = with_cache(g, |c| c.tables.get(name).cloned()) {
+            return tables;
+        }
+    }
+    let tables = Rc::new(sql::stream_tables(name));
+    // Cached only if nothing moved while they were read.
+    if let Some(g) = generation {
+        if cache_generation(snapshot) == Some(g) && !TABLES_CHANGED.get() {
+            with_cache(g, |c| c.tables.insert(name.to_string(), tables.clone()));
+        }
+    }
+    tables
 }
 
 /// The stream's catalog row as it is now (for allocation and catalog

@@ -445,26 +445,26 @@ pub fn read_as_owner<T>(
 /// tables' locks while it sleeps). A relation that no longer exists passes
 /// (it is skipped when read).
 pub fn check_caller_may_read(rel: pg_sys::Oid, columns: &[&str]) {
-    let facts = select_all(
-        "SELECT c.relowner, c.relkind::pg_catalog.text, c.relrowsecurity FROM pg_catalog.pg_class c \
-         WHERE c.oid OPERATOR(pg_catalog.=) $1",
-        &[rel.into()],
-        |r| {
-            Ok(r.get::<pg_sys::Oid>(1)?.map(|owner| RelationFacts {
-                owner,
-                kind: r
-                    .get::<String>(2)
-                    .ok()
-                    .flatten()
-                    .and_then(|k| k.bytes().next())
-                    .unwrap_or(b'?'),
-                row_security: r.get::<bool>(3).ok().flatten().unwrap_or(true),
-            }))
-        },
-    );
-    if let Some(facts) = facts.first() {
-        check_may_read(rel, &relation_name(rel), facts, columns);
-    }
+    // SAFETY: a syscache lookup (NULL for a relation that no longer
+    // exists); the fields are copied before the tuple is released.
+    let facts = unsafe {
+        let tuple = pg_sys::SearchSysCache1(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(rel),
+        );
+        if tuple.is_null() {
+            return;
+        }
+        let form = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_class>(tuple);
+        let facts = RelationFacts {
+            owner: form.relowner,
+            kind: form.relkind as u8,
+            row_security: form.relrowsecurity,
+        };
+        pg_sys::ReleaseSysCache(tuple);
+        facts
+    };
+    check_may_read(rel, &relation_name(rel), &facts, columns);
 }
 
 /// The checks before a read of `rel` as its owner: it must be a table or a
@@ -1220,8 +1220,8 @@ fn read_as_owner_for_extension<T>(rel: pg_sys::Oid, f: impl FnOnce(&str) -> T) -
 /// Refuse (before a follower waits) a caller that `updates` would refuse
 /// when it reads the stream's tables (see `read_as_owner`); without taking
 /// their locks, which a sleeping follower would otherwise hold.
-pub fn check_may_follow(stream: &str) {
-    for table in stream_tables(stream) {
+pub fn check_may_follow(tables: &[StreamTable]) {
+    for table in tables {
         let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
         check_caller_may_read(table.oid, &columns);
     }
@@ -1275,13 +1275,14 @@ impl RowRange<'_> {
 
 // Statements prepared once and kept (a follower calls `updates` again and
 // again: parsing and planning were most of a call's cost), by their text,
-// which names the relation and its columns. PostgreSQL replans a kept
+// which names the relation and its columns, and by the relation's OID (a
+// schema renamed leaves the text of another relation the same). PostgreSQL replans a kept
 // statement when what it depends on changes, with the search path it was
 // prepared with (the pinned one); a relcache invalidation drops them all
 // (`relations_changed`), as a relation renamed, altered or given to
 // another owner changes the text or the role it is run as.
 thread_local! {
-    static KEPT: std::cell::RefCell<crate::fast_hash::FastMap<String, std::rc::Rc<pgrx::spi::OwnedPreparedStatement>>> =
+    static KEPT: std::cell::RefCell<crate::fast_hash::FastMap<(pg_sys::Oid, String), std::rc::Rc<pgrx::spi::OwnedPreparedStatement>>> =
         std::cell::RefCell::new(crate::fast_hash::FastMap::default());
     /// Set by the relcache callback, which must not free anything itself.
     static KEPT_STALE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -1299,6 +1300,7 @@ pub fn relations_changed() {
 /// Every row of a read-only statement kept for later calls (see `KEPT`),
 /// each converted by `row` from the result's tuple and descriptor.
 fn kept_select<T>(
+    rel: pg_sys::Oid,
     query: &str,
     types: &[PgOid],
     args: &[DatumWithOid],
@@ -1311,7 +1313,8 @@ fn kept_select<T>(
     // statement is analysed again with the path current when it runs.
     with_safe_path(|| {
         spi(Spi::connect(|client| {
-            let kept = KEPT.with(|k| k.borrow().get(query).cloned());
+            let key = (rel, query.to_string());
+            let kept = KEPT.with(|k| k.borrow().get(&key).cloned());
             let plan = match kept {
                 Some(plan) => plan,
                 None => {
@@ -1324,7 +1327,7 @@ fn kept_select<T>(
                         if kept.len() >= MAX_KEPT {
                             kept.clear();
                         }
-                        kept.insert(query.to_string(), plan.clone())
+                        kept.insert(key, plan.clone())
                     });
                     plan
                 }
@@ -1384,7 +1387,7 @@ pub fn update_rows(
             "SELECT t.{id}::pg_catalog.int8, {row} {} ORDER BY t.{id} LIMIT $5",
             rows_in_range(table, name)
         );
-        kept_select(&query, &types, &args, |tuple, desc| {
+        kept_select(table.oid, &query, &types, &args, |tuple, desc| {
             // SAFETY: a tuple of this statement's result, of two columns
             // (int8, jsonb); the jsonb value is copied into the upper (the
             // function's) memory context before SPI frees its own.

@@ -201,7 +201,8 @@ fn updates(
     refuse_on_standby();
     // Whoever may not read the stream's tables (sql::read_as_owner) is
     // refused now, not after waiting.
-    sql::check_may_follow(stream);
+    let tables = catalog::stream_tables(stream);
+    sql::check_may_follow(&tables);
     let index = registry_index(&meta);
     let since = since.0;
     // A token at the cap prints to hundreds of kilobytes: the error quotes
@@ -225,7 +226,6 @@ fn updates(
     // A `since` listing other instances up to the cap can join the stream's
     // writers to more than the cap: 54000, as for any token.
     let until = since.advance(&current).or_raise();
-    let tables = sql::stream_tables(stream);
     let limit = max_rows as usize;
     let since_text = since.to_text(TokenKind::MultiWriter);
     let until_text = until.to_text(TokenKind::MultiWriter);

@@ -321,3 +321,37 @@ def test_updates_follows_its_tables_between_calls(connect, stream):
     conn.execute("RESET search_path")
     conn.execute(f"ALTER TABLE {stream}_ev OWNER TO CURRENT_USER")
     conn.execute(f"DROP ROLE {role}")
+
+
+def test_updates_tells_tables_apart_after_a_schema_rename(connect, stream):
+    """A schema renamed and a new schema of the old name with a table of the
+    same name, both tables in the stream: each table's rows come under its
+    own name (a statement kept for the old text must not read the new
+    table, or the other way round)."""
+    conn = connect()
+    create_stream(conn, stream, writers=WRITERS)
+    conn.execute(f"CREATE SCHEMA {stream}_a")
+    conn.execute(f"CREATE TABLE {stream}_a.ev (id bigint PRIMARY KEY, instance_name text, body text)")
+    conn.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_a.ev"))
+
+    def write(table, body):
+        conn.execute("BEGIN")
+        i = one(conn, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+        conn.execute(f"INSERT INTO {table} VALUES (%s, 'w1', %s)", (i, body))
+        conn.execute("COMMIT")
+        return i
+
+    first = write(f"{stream}_a.ev", "old")
+    _, _, tables = parse_updates(one(conn, "SELECT streampos.updates(%s, '0')", (stream,)))
+    assert tables == {f"{stream}_a.ev": [[first, "w1", "old"]]}
+
+    conn.execute(f"ALTER SCHEMA {stream}_a RENAME TO {stream}_b")
+    conn.execute(f"CREATE SCHEMA {stream}_a")
+    conn.execute(f"CREATE TABLE {stream}_a.ev (id bigint PRIMARY KEY, instance_name text, body text)")
+    conn.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_a.ev"))
+    second = write(f"{stream}_a.ev", "new")
+    _, _, tables = parse_updates(one(conn, "SELECT streampos.updates(%s, '0')", (stream,)))
+    assert tables == {
+        f"{stream}_b.ev": [[first, "w1", "old"]],
+        f"{stream}_a.ev": [[second, "w1", "new"]],
+    }
