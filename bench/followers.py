@@ -9,7 +9,7 @@ rounds' ratios with their range.
    always available):
        updates('ev', since, n, 0)
        SELECT id, w, body FROM ev WHERE id > since
-              AND id <= streampos.frontier('ev') ORDER BY id LIMIT n
+              AND id <= (SELECT streampos.frontier('ev')) ORDER BY id LIMIT n
    for n = 1, 3, 100, on a stream of one table and of two.
 2. Followers' cost on writers: 2 pgbench writer clients (next_id + INSERT)
    alone, then with N long-polling followers (each its own session,
@@ -188,7 +188,7 @@ class Bench:
                                 continue
                             rows = c.execute(
                                 "SELECT id, extract(epoch FROM clock_timestamp()) - extract(epoch FROM at) "
-                                "FROM f_ev4 WHERE id > %s AND id <= streampos.frontier('f_notify') "
+                                "FROM f_ev4 WHERE id > %s AND id <= (SELECT streampos.frontier('f_notify')) "
                                 "ORDER BY id LIMIT 100", (last,)).fetchall()
                             for i, lat in rows:
                                 if i in seen:
