@@ -447,7 +447,7 @@ pub fn mark_ghosts(ids: &[i32]) {
         if ids.is_empty() || !HOLDING || HEADER.is_null() {
             return;
         }
-        let procno = (*pg_sys::MyProc).pgprocno;
+        let procno = super::shmem::my_proc_number();
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
