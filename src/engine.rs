@@ -515,8 +515,14 @@ thread_local! {
 }
 
 fn current_lxid() -> u32 {
-    // SAFETY: MyProc is this backend's PGPROC.
-    unsafe { (*pg_sys::MyProc).lxid }
+    // SAFETY: MyProc is this backend's PGPROC. PostgreSQL 17 moved the
+    // local transaction id into the PGPROC's virtual transaction id.
+    unsafe {
+        #[cfg(any(feature = "pg14", feature = "pg15", feature = "pg16"))]
+        return (*pg_sys::MyProc).lxid;
+        #[cfg(not(any(feature = "pg14", feature = "pg15", feature = "pg16")))]
+        return (*pg_sys::MyProc).vxid.lxid;
+    }
 }
 
 /// Does anyone but the cache still hold `s` (registered elsewhere, or on

@@ -1,6 +1,8 @@
-//! C functions declared by hand. Each is exported by the PostgreSQL 15
-//! server (or libc) with exactly this signature; the reason we call it is
-//! next to it.
+//! C functions declared by hand. Each is exported by the server (or libc)
+//! with exactly this signature on every supported PostgreSQL (14 to 18,
+//! checked against each version's headers; where one differs, the
+//! declaration is per version, behind its feature); the reason we call it
+//! is next to it.
 //!
 //! pgrx binds every server function behind a guard (a `sigsetjmp`, about 60
 //! instructions a call) that turns an ERROR into a Rust panic. The functions
@@ -28,6 +30,14 @@ extern "C" {
     pub fn kill(pid: i32, sig: i32) -> i32;
 }
 
+#[cfg(feature = "pg14")]
+extern "C" {
+    /// A setting (postmaster/autovacuum.h) that PostgreSQL 14 adds into
+    /// `MaxBackends` only after the preloaded libraries were loaded:
+    /// `registry::shmem` sizes the registry before that.
+    pub static autovacuum_max_workers: i32;
+}
+
 /// Server functions that never raise an ERROR (nor FATAL); called without
 /// pgrx's guard. Only add a function here after reading its source: an
 /// ERROR raised through these calls would skip Rust frames.
@@ -35,6 +45,23 @@ pub mod unguarded {
     use pgrx::pg_sys::{
         ConditionVariable, LWLock, LWLockMode, Oid, Snapshot, TimestampTz, XLogRecPtr,
     };
+
+    /// Reads the flush pointer under a spinlock. PostgreSQL 14's takes no
+    /// argument (15 added the timeline out-parameter, which we never ask
+    /// for).
+    ///
+    /// # Safety
+    /// As any call into the server.
+    #[cfg(feature = "pg14")]
+    #[allow(non_snake_case)]
+    pub unsafe fn GetFlushRecPtr(_insert_tli: *mut u32) -> XLogRecPtr {
+        extern "C-unwind" {
+            #[link_name = "GetFlushRecPtr"]
+            fn get_flush_rec_ptr() -> XLogRecPtr;
+        }
+        // SAFETY: reads shared state under a spinlock; raises no error.
+        unsafe { get_flush_rec_ptr() }
+    }
 
     extern "C-unwind" {
         /// Raises an ERROR only with 200 LWLocks held at once (lwlock.c);
@@ -46,6 +73,7 @@ pub mod unguarded {
         /// Reads shared state under a spinlock.
         pub fn RecoveryInProgress() -> bool;
         /// Reads the flush pointer under a spinlock.
+        #[cfg(not(feature = "pg14"))]
         pub fn GetFlushRecPtr(insert_tli: *mut u32) -> XLogRecPtr;
         /// Reads the insert pointer under a spinlock.
         pub fn GetXLogInsertRecPtr() -> XLogRecPtr;
@@ -71,7 +99,14 @@ pub mod unguarded {
 /// inside one, from a closure that owns nothing needing a drop: an ERROR
 /// jumps straight back to the boundary, over the closure's frame.
 pub mod in_boundary {
-    use pgrx::pg_sys::{BlockNumber, Buffer, ForkNumber, Oid, RelFileNode, Relation, LOCKMODE};
+    use pgrx::pg_sys::{BlockNumber, Buffer, ForkNumber, Oid, Relation, LOCKMODE};
+
+    #[cfg(not(any(feature = "pg14", feature = "pg15")))]
+    pub use pgrx::pg_sys::RelFileLocator;
+    /// A relation's file (`RelFileNode` until PostgreSQL 16 renamed it; the
+    /// same three OIDs). `sequence::file_of` reads it from a relation.
+    #[cfg(any(feature = "pg14", feature = "pg15"))]
+    pub use pgrx::pg_sys::RelFileNode as RelFileLocator;
 
     extern "C-unwind" {
         /// Null when the relation is gone (after waiting for the lock).
@@ -81,7 +116,7 @@ pub mod in_boundary {
         /// Pins `recent` if it still holds the block (no buffer mapping
         /// lookup); false otherwise.
         pub fn ReadRecentBuffer(
-            rnode: RelFileNode,
+            rnode: RelFileLocator,
             fork: ForkNumber::Type,
             block: BlockNumber,
             recent: Buffer,

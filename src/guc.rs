@@ -58,8 +58,14 @@ pub fn define(preloading: bool) {
         define_registry_sizes();
     }
     define_runtime();
-    // SAFETY: called from _PG_init with a static C string.
-    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"streampos".as_ptr()) };
+    // SAFETY: called from _PG_init with a static C string. PostgreSQL 14
+    // only warns about unknown settings under the prefix (15 removes them).
+    unsafe {
+        #[cfg(feature = "pg14")]
+        pgrx::pg_sys::EmitWarningsOnPlaceholders(c"streampos".as_ptr());
+        #[cfg(not(feature = "pg14"))]
+        pgrx::pg_sys::MarkGUCPrefixReserved(c"streampos".as_ptr());
+    }
 }
 
 fn define_registry_sizes() {

@@ -152,6 +152,18 @@ pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
     }
 }
 
+/// Does `role` own the sequence (or a role whose privileges it has)?
+pub fn is_owner(seq: pg_sys::Oid, role: pg_sys::Oid) -> bool {
+    // SAFETY: a catalog lookup; raises no error for an existing relation.
+    // PostgreSQL 16 replaced the per-kind ownership checks with one.
+    unsafe {
+        #[cfg(any(feature = "pg14", feature = "pg15"))]
+        return pg_sys::pg_class_ownercheck(seq, role);
+        #[cfg(not(any(feature = "pg14", feature = "pg15")))]
+        return pg_sys::object_ownercheck(pg_sys::RelationRelationId, seq, role);
+    }
+}
+
 /// Refuse a repair the caller may not make, before it holds the sequence
 /// against allocation: `setval` needs UPDATE, and a caller without it must
 /// not be able to block the stream's writers.
@@ -262,7 +274,7 @@ impl ForAllocation {
                 let buffer = match recent {
                     Some(b)
                         if in_boundary::ReadRecentBuffer(
-                            (*self.rel).rd_node,
+                            file_of(self.rel),
                             pg_sys::ForkNumber::MAIN_FORKNUM,
                             0,
                             b,
@@ -286,6 +298,20 @@ impl ForAllocation {
         }
         (ids, lsn)
     }
+}
+
+/// The file of an open relation (PostgreSQL 16 renamed `rd_node` to
+/// `rd_locator`, with its type).
+///
+/// # Safety
+/// `rel` is an open relation.
+unsafe fn file_of(rel: pg_sys::Relation) -> in_boundary::RelFileLocator {
+    // SAFETY: forwarded from the caller.
+    #[cfg(any(feature = "pg14", feature = "pg15"))]
+    return unsafe { (*rel).rd_node };
+    // SAFETY: forwarded from the caller.
+    #[cfg(not(any(feature = "pg14", feature = "pg15")))]
+    return unsafe { (*rel).rd_locator };
 }
 
 /// The highest value the sequence has handed out (internal numbering):

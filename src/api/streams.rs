@@ -125,8 +125,7 @@ pub(super) fn adopt_stream(
         }
     }
     // Registering a sequence lets the extension repair it: only its owner may.
-    // SAFETY: a catalog lookup; raises no error for an existing relation.
-    if !unsafe { pg_sys::pg_class_ownercheck(oid, current_role()) } {
+    if !sequence::is_owner(oid, current_role()) {
         Error::NotOwner(format!("sequence {name}")).report();
     }
     sequence::check_usable(oid);

@@ -182,8 +182,15 @@ impl Synapse {
             .unwrap_or_else(|| Error::UnknownSchema(schema.into()).report());
         // Looking its tables up by name would need USAGE: so does this.
         // SAFETY: a catalog lookup for an existing schema; raises no error.
+        // PostgreSQL 16 replaced the per-kind privilege checks with one.
         let usage = unsafe {
-            pg_sys::pg_namespace_aclcheck(nsp, current_role(), pg_sys::ACL_USAGE as pg_sys::AclMode)
+            let usage = pg_sys::ACL_USAGE as pg_sys::AclMode;
+            #[cfg(any(feature = "pg14", feature = "pg15"))]
+            let result = pg_sys::pg_namespace_aclcheck(nsp, current_role(), usage);
+            #[cfg(not(any(feature = "pg14", feature = "pg15")))]
+            let result =
+                pg_sys::object_aclcheck(pg_sys::NamespaceRelationId, nsp, current_role(), usage);
+            result
         };
         if usage != pg_sys::AclResult::ACLCHECK_OK {
             Error::NoSchemaUsage(schema.into()).report();

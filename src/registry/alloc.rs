@@ -482,7 +482,7 @@ pub fn mark_ghosts(ids: &[i32]) {
         if ids.is_empty() || !HOLDING || HEADER.is_null() {
             return;
         }
-        let procno = (*pg_sys::MyProc).pgprocno;
+        let procno = super::shmem::my_proc_number();
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
@@ -513,7 +513,7 @@ pub fn end_subtransaction(
         if !HOLDING || HEADER.is_null() {
             return;
         }
-        let procno = (*pg_sys::MyProc).pgprocno;
+        let procno = super::shmem::my_proc_number();
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
@@ -793,7 +793,7 @@ pub fn end_transaction(committed: bool) {
             return;
         }
         HOLDING = false;
-        let procno = (*pg_sys::MyProc).pgprocno;
+        let procno = super::shmem::my_proc_number();
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
@@ -904,7 +904,7 @@ fn orphan_holds() {
         if HEADER.is_null() {
             return;
         }
-        let procno = (*pg_sys::MyProc).pgprocno;
+        let procno = super::shmem::my_proc_number();
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }
@@ -954,7 +954,7 @@ pub fn flush_before_commit() {
         if pg_sys::synchronous_commit <= pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_OFF as i32 {
             return;
         }
-        let procno = (*pg_sys::MyProc).pgprocno;
+        let procno = super::shmem::my_proc_number();
         if procno < 0 || procno as u32 >= (*HEADER).n_slots {
             return;
         }

@@ -85,10 +85,13 @@ unsafe fn my_row(header: *mut Header, offset: usize, row: usize) -> *const Atomi
     // SAFETY: forwarded from the caller; MyProc is checked before use.
     unsafe {
         let n_slots = (*header).n_slots as usize;
-        let slot = match pg_sys::MyProc.as_ref() {
-            Some(proc_) if (proc_.pgprocno as usize) < n_slots && proc_.pgprocno >= 0 => {
-                proc_.pgprocno as usize
-            }
+        let procno = if pg_sys::MyProc.is_null() {
+            -1
+        } else {
+            super::shmem::my_proc_number()
+        };
+        let slot = match procno {
+            procno if procno >= 0 && (procno as usize) < n_slots => procno as usize,
             _ => n_slots,
         };
         counters(header, offset, slot).add(row * FIELDS)

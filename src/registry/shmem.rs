@@ -552,6 +552,7 @@ pub(super) fn layout(
 }
 
 pub(super) static mut HEADER: *mut Header = ptr::null_mut();
+#[cfg(not(feature = "pg14"))]
 static mut PREV_SHMEM_REQUEST: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP: pg_sys::shmem_startup_hook_type = None;
 
@@ -568,7 +569,26 @@ fn slot_count() -> usize {
     // MaxBackends; only they can run SQL.
     // SAFETY: MaxBackends is set by the postmaster before shared memory is
     // sized, and never changes afterwards.
-    unsafe { pg_sys::MaxBackends.max(1) as usize }
+    #[cfg(not(feature = "pg14"))]
+    return unsafe { pg_sys::MaxBackends.max(1) as usize };
+    // PostgreSQL 14 sets MaxBackends only after loading the preloaded
+    // libraries, which request their shared memory while loaded: until
+    // then, the sum its InitializeMaxBackends makes of the settings, which
+    // are final by then.
+    // SAFETY: settings read in the postmaster after the configuration file.
+    #[cfg(feature = "pg14")]
+    return unsafe {
+        if pg_sys::MaxBackends > 0 {
+            pg_sys::MaxBackends as usize
+        } else {
+            (pg_sys::MaxConnections
+                + crate::ffi::autovacuum_max_workers
+                + 1
+                + pg_sys::max_worker_processes
+                + pg_sys::max_wal_senders)
+                .max(1) as usize
+        }
+    };
 }
 
 /// Called from `_PG_init` while the library is preloaded.
@@ -576,18 +596,27 @@ pub fn request_shared_memory() {
     // SAFETY: hooks are installed once, in the postmaster, before any
     // backend exists; the previous hooks are chained.
     unsafe {
-        PREV_SHMEM_REQUEST = pg_sys::shmem_request_hook;
-        pg_sys::shmem_request_hook = Some(shmem_request);
+        #[cfg(not(feature = "pg14"))]
+        {
+            PREV_SHMEM_REQUEST = pg_sys::shmem_request_hook;
+            pg_sys::shmem_request_hook = Some(shmem_request);
+        }
         PREV_SHMEM_STARTUP = pg_sys::shmem_startup_hook;
         pg_sys::shmem_startup_hook = Some(shmem_startup);
+        // PostgreSQL 14 has no shmem_request_hook: a preloaded library
+        // requests while it is loaded.
+        #[cfg(feature = "pg14")]
+        shmem_request();
     }
 }
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn shmem_request() {
-    // SAFETY: called by the postmaster in shmem_request_hook, the only place
-    // where add-in shared memory and LWLock tranches may be requested.
+    // SAFETY: called by the postmaster in shmem_request_hook (PostgreSQL
+    // 14: from _PG_init while preloading), the only place where add-in
+    // shared memory and LWLock tranches may be requested.
     unsafe {
+        #[cfg(not(feature = "pg14"))]
         if let Some(prev) = PREV_SHMEM_REQUEST {
             prev();
         }
@@ -1319,11 +1348,23 @@ pub fn require_loaded() -> Result<(), Error> {
     }
 }
 
+/// This backend's PGPROC number.
+pub(super) fn my_proc_number() -> i32 {
+    // SAFETY: MyProc is this backend's PGPROC, set at start-up;
+    // MyProcNumber (PostgreSQL 17, which dropped `pgprocno` from the
+    // PGPROC) likewise.
+    unsafe {
+        #[cfg(any(feature = "pg14", feature = "pg15", feature = "pg16"))]
+        return (*pg_sys::MyProc).pgprocno;
+        #[cfg(not(any(feature = "pg14", feature = "pg15", feature = "pg16")))]
+        return pg_sys::MyProcNumber;
+    }
+}
+
 /// This backend's slot: its PGPROC number.
 pub(super) fn my_slot_index() -> Result<usize, Error> {
-    // SAFETY: MyProc is set for every backend that runs SQL; HEADER is
-    // initialised (callers checked `require_loaded`).
-    let (procno, n) = unsafe { ((*pg_sys::MyProc).pgprocno, (*HEADER).n_slots as usize) };
+    // SAFETY: HEADER is initialised (callers checked `require_loaded`).
+    let (procno, n) = (my_proc_number(), unsafe { (*HEADER).n_slots as usize });
     if procno < 0 || procno as usize >= n {
         return Err(Error::InvalidState {
             message: "this process cannot allocate stream IDs".into(),

@@ -120,10 +120,14 @@ fn taken_after(stamp: TransactionId, snapshot: &pg_sys::SnapshotData) -> bool {
 /// `latestCompletedXid` now. Callers read it under the registry lock, after
 /// their own transaction's end: see `Finished::latest_completed`.
 pub(super) fn latest_completed() -> TransactionId {
-    // SAFETY: ShmemVariableCache is set up before any backend runs; the
-    // 64-bit field is read atomically on the platforms PostgreSQL supports.
-    let full =
-        unsafe { ptr::read_volatile(&raw const (*pg_sys::ShmemVariableCache).latestCompletedXid) };
+    // PostgreSQL 17 renamed ShmemVariableCache to TransamVariables.
+    #[cfg(any(feature = "pg14", feature = "pg15", feature = "pg16"))]
+    let variables = &raw const pg_sys::ShmemVariableCache;
+    #[cfg(not(any(feature = "pg14", feature = "pg15", feature = "pg16")))]
+    let variables = &raw const pg_sys::TransamVariables;
+    // SAFETY: the variables are set up before any backend runs; the 64-bit
+    // field is read atomically on the platforms PostgreSQL supports.
+    let full = unsafe { ptr::read_volatile(&raw const (**variables).latestCompletedXid) };
     TransactionId::from_inner(full.value as u32)
 }
 

@@ -61,6 +61,12 @@ def rows(conn, sql, params=None):
     return conn.execute(sql, params).fetchall()
 
 
+def force_parallel_setting(conn):
+    """The setting that makes every query parallel: force_parallel_mode,
+    named debug_parallel_query from PostgreSQL 16 on."""
+    return "debug_parallel_query" if conn.info.server_version >= 160000 else "force_parallel_mode"
+
+
 def expect_error(conn, sql, params=None, sqlstate=None):
     """Run a statement that must fail; return the psycopg error.
 

@@ -26,6 +26,7 @@ from support import (
     create_stream,
     ensure_login_role,
     expect_error,
+    force_parallel_setting,
     frontier,
     one,
     rows,
@@ -410,7 +411,7 @@ def test_a_parallel_worker_cannot_allocate(db, connect, stream):
     )
     try:
         p = connect()
-        p.execute("SET force_parallel_mode = on")
+        p.execute(f"SET {force_parallel_setting(p)} = on")
         p.execute("BEGIN")
         one(p, "SELECT txid_current()")
         expect_error(p, f"SELECT {fn}(%s)", (stream,))

@@ -23,6 +23,7 @@ from support import (
     backend_pid,
     create_stream,
     expect_error,
+    force_parallel_setting,
     in_flight,
     one,
     rows,
@@ -721,7 +722,7 @@ def test_force_parallel_mode(connect, db, open_stream):
 
     p = connect()
     for setting in (
-        "force_parallel_mode = on",
+        f"{force_parallel_setting(p)} = on",
         "parallel_setup_cost = 0",
         "parallel_tuple_cost = 0",
         "min_parallel_table_scan_size = 0",
