@@ -18,6 +18,11 @@ pub static POSITION_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(200);
 /// has held a stream's frontier back this long, and a LOG line when it
 /// ends; 0: never.
 pub static LOG_HELD_BACK_AFTER_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+/// A long-polling `updates()` (timeout > 0) returns no sooner than this
+/// after the session's previous `updates()` returned: a follower on a busy
+/// stream takes a burst of commits in one call instead of one call per
+/// commit; an idle follower is woken at once. 0: at once, always.
+pub static FOLLOWER_BATCH_MS: GucSetting<i32> = GucSetting::<i32>::new(5);
 /// Test builds only (feature `test-hooks`): sleep between publishing the
 /// lower bound and calling nextval, to prove that readers respect the lower
 /// bound.
@@ -130,6 +135,16 @@ fn define_runtime() {
         0,
         i32::MAX,
         GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"streampos.follower_batch_ms",
+        c"A long-polling updates() returns no sooner than this after the session's previous updates() returned (0: at once).",
+        c"Followers of a busy stream take a burst of commits in one call; an idle follower is woken at once.",
+        &FOLLOWER_BATCH_MS,
+        0,
+        1000,
+        GucContext::Userset,
         GucFlags::UNIT_MS,
     );
     #[cfg(feature = "test-hooks")]

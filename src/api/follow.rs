@@ -109,7 +109,12 @@ fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i6
 
 /// Re-evaluate `ready` each time the stream's generation moves, until it
 /// returns true or the timeout passes (then the last evaluation's value).
-fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool, T)) -> T {
+fn wait_until<T>(
+    index: usize,
+    timeout_ms: i32,
+    not_before: Option<Instant>,
+    mut ready: impl FnMut() -> (bool, T),
+) -> T {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
     // Counted among the stream's waiting followers (stat_streams) from the
     // first sleep to the return (or an error, or the backend's exit).
@@ -118,8 +123,24 @@ fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool
         let generation = registry::generation(index).or_raise();
         let (done, value) = ready();
         let now = Instant::now();
-        if done || now >= deadline {
+        if now >= deadline {
             return value;
+        }
+        if done {
+            match not_before {
+                Some(at) if now < at => {
+                    // Ready, but too soon after the previous answer: let
+                    // the burst gather, then answer for all of it.
+                    let until = at.min(deadline).min(now + Duration::from_millis(10));
+                    pgrx::check_for_interrupts!();
+                    // SAFETY: sleeps this process for at most 10 ms;
+                    // interrupts (a cancel) are checked around it.
+                    unsafe { pg_sys::pg_usleep((until - now).as_micros() as std::ffi::c_long) };
+                    pgrx::check_for_interrupts!();
+                    continue;
+                }
+                _ => return value,
+            }
         }
         if following.is_none() {
             following = registry::stats::Following::enter(index);
@@ -129,6 +150,23 @@ fn wait_until<T>(index: usize, timeout_ms: i32, mut ready: impl FnMut() -> (bool
         let left = (deadline - now).as_millis().min(100) as i64;
         registry::wait_for_change(index, generation, left).or_raise();
     }
+}
+
+thread_local! {
+    /// When this session's latest `updates()` returned.
+    static LAST_UPDATES: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// The end of the batch window (`streampos.follower_batch_ms`) after this
+/// session's previous `updates()`, if any.
+fn batch_window_end() -> Option<Instant> {
+    let window = crate::guc::FOLLOWER_BATCH_MS.get();
+    if window <= 0 {
+        return None;
+    }
+    LAST_UPDATES
+        .get()
+        .map(|at| at + Duration::from_millis(window as u64))
 }
 
 /// Followers need the primary's registry: a standby's replay broadcasts
@@ -154,7 +192,7 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     };
     refuse_ahead(&meta, "target", target, || (stream_id.to_string(), None));
     refuse_lost_history(&meta, [target]);
-    let reached = wait_until(index, timeout_ms, || {
+    let reached = wait_until(index, timeout_ms, None, || {
         let f = answer_now(&meta).frontier();
         (f >= target, f)
     });
@@ -218,7 +256,12 @@ fn updates(
         std::iter::once(since.stream()).chain(since.instances().iter().map(|&(_, p)| p)),
     );
     // Wait until some writer moved past `since`.
-    let current = wait_until(index, timeout_ms, || {
+    let not_before = if timeout_ms > 0 {
+        batch_window_end()
+    } else {
+        None
+    };
+    let current = wait_until(index, timeout_ms, not_before, || {
         let t = token_now(&meta);
         (!t.is_before_or_eq(&since), t)
     });
@@ -240,7 +283,7 @@ fn updates(
     };
     // One snapshot for every read (any snapshot that sees the token's
     // commits sees the same rows below it).
-    JsonbDatum(with_row_snapshot(|| {
+    let answer = JsonbDatum(with_row_snapshot(|| {
         // Each table's first limit+1 rows are enough to find the global
         // first limit+1 rows in ID order.
         let mut rows: Vec<Option<Vec<sql::UpdateRow>>> = tables
@@ -286,7 +329,9 @@ fn updates(
             token.max_stream_pos(),
             limited,
         )
-    }))
+    }));
+    LAST_UPDATES.set(Some(Instant::now()));
+    answer
 }
 
 /// A jsonb value built by PostgreSQL, returned as it is.
