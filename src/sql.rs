@@ -1448,9 +1448,10 @@ fn json_column(column: &str, type_oid: pg_sys::Oid) -> String {
 /// `{"token": …, "limited": …, "data": [[header], row, …, [header], row, …]}`
 /// with, for each table (skipped when `None`: dropped), `[table_name,
 /// position, row_count, column_count, column_name, …]` and then its rows,
-/// oldest first. Built as text in PostgreSQL's memory (rows can be large: an
-/// answer beyond what PostgreSQL can hold is its ERROR, never an abort)
-/// and read back as jsonb.
+/// oldest first. Built as jsonb directly in PostgreSQL's memory (rows can
+/// be large: an answer beyond what PostgreSQL can hold is its ERROR, never
+/// an abort), each row's jsonb copied in by jsonb's own iterator: no text
+/// printed and parsed again.
 pub fn updates_answer(
     tables: &[StreamTable],
     rows: &[Option<Vec<UpdateRow>>],
@@ -1458,59 +1459,131 @@ pub fn updates_answer(
     position: i64,
     limited: bool,
 ) -> pg_sys::Datum {
-    // SAFETY: a StringInfo in the current memory context, appended to with
-    // PostgreSQL's own functions (an ERROR past 1 GB); every row datum is a
-    // jsonb value in this context, printed by jsonb's output function.
-    unsafe {
-        let buf = pg_sys::makeStringInfo();
-        let append = |text: &str| {
-            pg_sys::appendBinaryStringInfo(buf, text.as_ptr().cast(), text.len() as i32)
-        };
-        append("{\"token\": ");
-        append(&serde_json::Value::from(token).to_string());
-        append(if limited {
-            ", \"limited\": true, \"data\": ["
-        } else {
-            ", \"limited\": false, \"data\": ["
-        });
-        let mut first = true;
-        let separator = |first: &mut bool| {
-            if !*first {
-                append(", ");
-            }
-            *first = false;
-        };
-        let jsonb_out = pg_sys::Oid::from(pg_sys::F_JSONB_OUT);
-        for (table, rows) in tables.iter().zip(rows) {
-            let Some(rows) = rows else { continue };
-            let mut header = vec![
-                serde_json::Value::from(table.name.as_str()),
-                serde_json::Value::from(position),
-                serde_json::Value::from(rows.len()),
-                serde_json::Value::from(table.columns.len()),
-            ];
-            header.extend(
-                table
-                    .columns
-                    .iter()
-                    .map(|c| serde_json::Value::from(c.as_str())),
-            );
-            separator(&mut first);
-            append(&serde_json::Value::Array(header).to_string());
-            for row in rows {
-                separator(&mut first);
-                let text = pg_sys::OidOutputFunctionCall(jsonb_out, row.json);
-                pg_sys::appendStringInfoString(buf, text);
-                pg_sys::pfree(text.cast());
-            }
+    let mut answer = JsonbBuilder::new();
+    answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_OBJECT, None);
+    answer.key("token");
+    answer.string(pg_sys::JsonbIteratorToken::WJB_VALUE, token);
+    answer.key("limited");
+    answer.boolean(limited);
+    answer.key("data");
+    answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
+    let elem = pg_sys::JsonbIteratorToken::WJB_ELEM;
+    for (table, rows) in tables.iter().zip(rows) {
+        let Some(rows) = rows else { continue };
+        answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
+        answer.string(elem, &table.name);
+        answer.number(position);
+        answer.number(rows.len() as i64);
+        answer.number(table.columns.len() as i64);
+        for column in &table.columns {
+            answer.string(elem, column);
         }
-        append("]}");
-        pg_sys::OidInputFunctionCall(
-            pg_sys::Oid::from(pg_sys::F_JSONB_IN),
-            (*buf).data,
-            pg_sys::JSONBOID,
-            -1,
-        )
+        answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
+        for row in rows {
+            answer.jsonb(row.json);
+        }
+    }
+    answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
+    answer.finish()
+}
+
+/// A jsonb value built with PostgreSQL's `pushJsonbValue`, in the current
+/// memory context (as `jsonb_build_object` and `jsonb_agg` build theirs).
+struct JsonbBuilder {
+    state: *mut pg_sys::JsonbParseState,
+    last: *mut pg_sys::JsonbValue,
+}
+
+impl JsonbBuilder {
+    fn new() -> Self {
+        JsonbBuilder {
+            state: std::ptr::null_mut(),
+            last: std::ptr::null_mut(),
+        }
+    }
+
+    fn push(
+        &mut self,
+        token: pg_sys::JsonbIteratorToken::Type,
+        value: Option<&mut pg_sys::JsonbValue>,
+    ) {
+        let value = value.map_or(std::ptr::null_mut(), |v| v as *mut _);
+        // SAFETY: the parse state is PostgreSQL's, started by the first
+        // push (BEGIN_OBJECT) and used only through pushJsonbValue; every
+        // value pushed is valid for the call (scalars are copied, binary
+        // containers unpacked).
+        self.last = unsafe { pg_sys::pushJsonbValue(&mut self.state, token, value) };
+    }
+
+    fn scalar(&mut self, token: pg_sys::JsonbIteratorToken::Type, mut value: pg_sys::JsonbValue) {
+        self.push(token, Some(&mut value));
+    }
+
+    fn string(&mut self, token: pg_sys::JsonbIteratorToken::Type, text: &str) {
+        // SAFETY: a zeroed JsonbValue is a valid bit pattern (plain data);
+        // the string is copied into PostgreSQL's memory (pnstrdup) since
+        // the value must outlive this call (pushJsonbValue keeps the
+        // pointer until the jsonb is serialised).
+        let value = unsafe {
+            let mut v: pg_sys::JsonbValue = std::mem::zeroed();
+            v.type_ = pg_sys::jbvType::jbvString;
+            v.val.string.len = text.len() as i32;
+            v.val.string.val = pg_sys::pnstrdup(text.as_ptr().cast(), text.len());
+            v
+        };
+        self.scalar(token, value);
+    }
+
+    fn key(&mut self, key: &str) {
+        self.string(pg_sys::JsonbIteratorToken::WJB_KEY, key);
+    }
+
+    fn number(&mut self, n: i64) {
+        // SAFETY: as in `string`; int64_to_numeric returns a palloc'd
+        // numeric.
+        let value = unsafe {
+            let mut v: pg_sys::JsonbValue = std::mem::zeroed();
+            v.type_ = pg_sys::jbvType::jbvNumeric;
+            v.val.numeric = pg_sys::int64_to_numeric(n);
+            v
+        };
+        self.scalar(pg_sys::JsonbIteratorToken::WJB_ELEM, value);
+    }
+
+    fn boolean(&mut self, b: bool) {
+        // SAFETY: as in `string`.
+        let value = unsafe {
+            let mut v: pg_sys::JsonbValue = std::mem::zeroed();
+            v.type_ = pg_sys::jbvType::jbvBool;
+            v.val.boolean = b;
+            v
+        };
+        self.scalar(pg_sys::JsonbIteratorToken::WJB_VALUE, value);
+    }
+
+    /// An element that is a jsonb datum (an array: a row).
+    fn jsonb(&mut self, datum: pg_sys::Datum) {
+        // SAFETY: `datum` is a jsonb varlena in this memory context;
+        // detoasting gives its 4-byte-header form, whose root container
+        // pushJsonbValue unpacks with jsonb's iterator.
+        let value = unsafe {
+            let jb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
+            let mut v: pg_sys::JsonbValue = std::mem::zeroed();
+            v.type_ = pg_sys::jbvType::jbvBinary;
+            v.val.binary.data = &mut (*jb).root;
+            v.val.binary.len =
+                (pgrx::varsize(jb as *const pg_sys::varlena) - pg_sys::VARHDRSZ) as i32;
+            v
+        };
+        self.scalar(pg_sys::JsonbIteratorToken::WJB_ELEM, value);
+    }
+
+    /// The jsonb datum (after the outermost END_OBJECT).
+    fn finish(mut self) -> pg_sys::Datum {
+        self.push(pg_sys::JsonbIteratorToken::WJB_END_OBJECT, None);
+        // SAFETY: `last` is the complete value pushJsonbValue returned for
+        // the closing token.
+        unsafe { pg_sys::Datum::from(pg_sys::JsonbValueToJsonb(self.last)) }
     }
 }
 

@@ -355,3 +355,58 @@ def test_updates_tells_tables_apart_after_a_schema_rename(connect, stream):
         f"{stream}_b.ev": [[first, "w1", "old"]],
         f"{stream}_a.ev": [[second, "w1", "new"]],
     }
+
+
+def test_a_busy_follower_takes_a_burst_in_one_call(connect, stream):
+    """streampos.follower_batch_ms: a long-polling updates() returns no
+    sooner than the window after the session's previous updates(), with
+    every commit of the window in its answer; an idle follower, a call
+    without a timeout, and a window of 0 answer at once."""
+    conn, writer = connect(), connect()
+    setup_feed(conn, stream)
+
+    def commit_one():
+        writer.execute("BEGIN")
+        i = one(writer, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+        writer.execute(f"INSERT INTO {stream}_ev VALUES (%s, 'w1', 'x')", (i,))
+        writer.execute("COMMIT")
+        return i
+
+    def poll(token, timeout=5000):
+        started = time.monotonic()
+        answer = one(conn, "SELECT streampos.updates(%s, %s, 100, %s)", (stream, token, timeout))
+        token, _, tables = parse_updates(answer)
+        return token, [r[0] for r in tables[f"public.{stream}_ev"]], time.monotonic() - started
+
+    conn.execute("SET streampos.follower_batch_ms = 400")
+    first = commit_one()
+    token, ids, elapsed = poll("0")
+    assert ids == [first]
+    # Idle for longer than the window: the next commit is answered at once.
+    time.sleep(0.5)
+    burst = [commit_one()]
+    token, ids, elapsed = poll(token)
+    assert ids == burst and elapsed < 0.3, elapsed
+    # Right after an answer, rows already there: the call waits out the
+    # window and takes what committed meanwhile too.
+    more = [commit_one()]
+
+    def late_commits():
+        time.sleep(0.15)
+        more.append(commit_one())
+
+    t = threading.Thread(target=late_commits)
+    t.start()
+    token, ids, elapsed = poll(token)
+    t.join()
+    assert ids == more and 0.3 < elapsed < 2.0, (ids, more, elapsed)
+    # Without a timeout a call never waits.
+    again = commit_one()
+    token, ids, elapsed = poll(token, timeout=0)
+    assert ids == [again] and elapsed < 0.3, elapsed
+    # A window of 0: at once, always.
+    conn.execute("SET streampos.follower_batch_ms = 0")
+    poll(token, timeout=0)
+    last = commit_one()
+    token, ids, elapsed = poll(token)
+    assert ids == [last] and elapsed < 0.3, elapsed
