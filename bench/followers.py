@@ -179,14 +179,12 @@ class Bench:
                     else:
                         c.execute("LISTEN f_live")
                         last = c.execute("SELECT coalesce(max(id), 0) FROM f_ev4").fetchone()[0]
-                        gen = c.notifies(timeout=1.0)
                         while not stop.is_set():
-                            got = False
-                            for _ in gen:
-                                got = True
-                                break
+                            # A generator of its own each time, run to its
+                            # end: a suspended one keeps the connection's
+                            # lock, and the query below would wait forever.
+                            got = any(True for _ in c.notifies(timeout=1.0, stop_after=1))
                             if not got:
-                                gen = c.notifies(timeout=1.0)
                                 continue
                             rows = c.execute(
                                 "SELECT id, extract(epoch FROM clock_timestamp()) - extract(epoch FROM at) "

@@ -1229,25 +1229,27 @@ pub fn check_may_follow(tables: &[StreamTable]) {
 
 /// The FROM and WHERE of `updates`' reads of one table: rows with
 /// $1 < id <= $2 whose writer (the instance column) is in range between the
-/// multi-writer tokens $3 (exclusive) and $4 (inclusive).
+/// multi-writer tokens $3 (exclusive) and $4 (inclusive). Rows with
+/// $6 < id <= $7 are in range whoever wrote them: for those neither the
+/// writer's id is looked up nor the tokens compared (an OR's arms run in
+/// order), and the tokens are read from text once per statement (initplans).
 fn rows_in_range(table: &StreamTable, name: &str) -> String {
     let id = quote_ident(&table.id_column);
-    let (join, instance) = match &table.instance_column {
-        Some(column) => (
-            format!(
-                "LEFT JOIN streampos.instances i \
-                 ON i.instance_name OPERATOR(pg_catalog.=) t.{}::pg_catalog.text",
-                quote_ident(column)
-            ),
-            "i.instance_id",
+    let instance = match &table.instance_column {
+        Some(column) => format!(
+            "(SELECT i.instance_id FROM streampos.instances i \
+              WHERE i.instance_name OPERATOR(pg_catalog.=) t.{}::pg_catalog.text)",
+            quote_ident(column)
         ),
-        None => (String::new(), "NULL::pg_catalog.int4"),
+        None => "NULL::pg_catalog.int4".to_string(),
     };
     format!(
-        "FROM {tbl} t {join} \
+        "FROM {tbl} t \
          WHERE t.{id} OPERATOR(pg_catalog.>) $1 AND t.{id} OPERATOR(pg_catalog.<=) $2 \
-           AND streampos.in_range($3::streampos.multi_writer_token, $4::streampos.multi_writer_token, \
-                                  {instance}, t.{id}::pg_catalog.int8)",
+           AND ((t.{id} OPERATOR(pg_catalog.>) $6 AND t.{id} OPERATOR(pg_catalog.<=) $7) \
+                OR streampos.in_range((SELECT $3::streampos.multi_writer_token), \
+                                      (SELECT $4::streampos.multi_writer_token), \
+                                      {instance}, t.{id}::pg_catalog.int8))",
         tbl = name,
     )
 }
@@ -1259,10 +1261,13 @@ pub struct RowRange<'a> {
     pub high: i64,
     pub since: &'a str,
     pub until: &'a str,
+    pub every_writer_above: i64,
+    pub every_writer_up_to: i64,
 }
 
 impl RowRange<'_> {
-    /// The arguments $1 to $4 of `rows_in_range`.
+    /// The arguments $1 to $4 of `rows_in_range` ($5 is the limit; $6 and
+    /// $7 follow it).
     fn args(&self) -> Vec<DatumWithOid<'static>> {
         vec![
             self.low.into(),
@@ -1374,11 +1379,15 @@ pub fn update_rows(
         Some(n) => n.into(),
         None => DatumWithOid::null::<i64>(),
     });
+    args.push(range.every_writer_above.into());
+    args.push(range.every_writer_up_to.into());
     let types = [
         PgOid::BuiltIn(PgBuiltInOids::INT8OID),
         PgOid::BuiltIn(PgBuiltInOids::INT8OID),
         PgOid::BuiltIn(PgBuiltInOids::TEXTOID),
         PgOid::BuiltIn(PgBuiltInOids::TEXTOID),
+        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
+        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
         PgOid::BuiltIn(PgBuiltInOids::INT8OID),
     ];
     let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();

@@ -280,6 +280,10 @@ fn updates(
         high,
         since: &since_text,
         until: &until_text,
+        // Every writer's rows in here are in range: above each writer's
+        // position in `since`, at or below each one's in `until`.
+        every_writer_above: since.max_stream_pos(),
+        every_writer_up_to: until.stream(),
     };
     // One snapshot for every read (any snapshot that sees the token's
     // commits sees the same rows below it).
