@@ -179,8 +179,15 @@ BEGIN
         LEFT JOIN pg_catalog.pg_constraint co
           ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass
          AND co.oid OPERATOR(pg_catalog.=) d.objid
+        -- PostgreSQL 14 records a generated column's expression as the
+        -- column's dependency, not its default's (15 and later).
+        LEFT JOIN pg_catalog.pg_attribute ga
+          ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
+         AND d.objsubid OPERATOR(pg_catalog.>) 0
+         AND ga.attrelid OPERATOR(pg_catalog.=) d.objid
+         AND ga.attnum OPERATOR(pg_catalog.=) d.objsubid
         LEFT JOIN pg_catalog.pg_class tc
-          ON tc.oid OPERATOR(pg_catalog.=) COALESCE(ad.adrelid, co.conrelid)
+          ON tc.oid OPERATOR(pg_catalog.=) COALESCE(ad.adrelid, co.conrelid, ga.attrelid)
         LEFT JOIN pg_catalog.pg_type ty ON ty.oid OPERATOR(pg_catalog.=) co.contypid
         WHERE ((d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
                 AND d.refobjid OPERATOR(pg_catalog.=) ANY (changed))
@@ -194,6 +201,7 @@ BEGIN
                    WHERE a.attrelid OPERATOR(pg_catalog.=) ad.adrelid
                      AND a.attnum OPERATOR(pg_catalog.=) ad.adnum
                      AND a.attgenerated OPERATOR(pg_catalog.=) 's'))
+           OR ga.attgenerated OPERATOR(pg_catalog.=) 's'
               -- a constraint other than a table CHECK (handled below)
            OR (co.oid IS NOT NULL
                AND NOT (co.contype OPERATOR(pg_catalog.=) 'c'
