@@ -521,6 +521,7 @@ class Run:
             "per_second": len(new) / elapsed,
             "sync_p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
             "sync_p95_ms": 1000 * latencies[int(0.95 * (len(latencies) - 1))] if latencies else float("nan"),
+            "sync_p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan"),
         }
 
     def received_all(self, c: Client, events: List[str]) -> bool:
@@ -740,6 +741,7 @@ def main() -> int:
         ("per_second", "messages persisted per second"),
         ("sync_p50_ms", "/sync latency p50 (ms)"),
         ("sync_p95_ms", "/sync latency p95 (ms)"),
+        ("sync_p99_ms", "/sync latency p99 (ms)"),
         ("events_persisted", "events persisted (all types)"),
         ("stream_positions_rows", "rows written to stream_positions"),
         ("stream_positions_rows_per_event", "  per persisted event"),

@@ -64,17 +64,17 @@ def _create_extension_after_prepare():
 def _drop_test_databases_with_force():
     """Synapse's cleanup drops each test's database with a plain DROP
     DATABASE, which fails (after five tries of five seconds) while any other
-    session is connected to it, and then leaves the database behind. Two
-    sessions outlive a test here: the extension's position worker, which
-    stays connected to every database that allocated (a limitation of the
-    extension, reported), and, in the multi-worker tests, the connections of
-    a worker homeserver's own pool, which Synapse's tests replace by the main
-    process's pool and never close (stock Synapse leaves those databases
-    behind too). With streampos a database left behind also keeps its
-    streams' registry slots (streampos.max_streams) until it is dropped.
-    So the connections to the base database, from which the cleanup drops,
-    get a cursor that drops WITH (FORCE). Only cleanup changes: the test has
-    finished by then."""
+    session is connected to it, and then leaves the database behind. In the
+    multi-worker tests the connections of a worker homeserver's own pool,
+    which Synapse's tests replace by the main process's pool and never
+    close, outlive the test (stock Synapse leaves those databases behind
+    too). With streampos a database left behind keeps its streams' registry
+    slots (streampos.max_streams) until it is dropped, and enough of them
+    fill the registry (test/synapse/README.md has the measurement). The
+    extension's position worker is not the reason: it leaves about 2 s
+    after its database's last activity. So the connections to the base
+    database, from which the cleanup drops, get a cursor that drops WITH
+    (FORCE). Only cleanup changes: the test has finished by then."""
     import re
 
     import psycopg2
