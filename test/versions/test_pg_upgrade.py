@@ -163,7 +163,11 @@ def index_agrees_with_a_sequential_scan(conn):
         conn.execute("SELECT bt_index_check(%s::regclass, true)", (index,))
 
 
-@pytest.mark.parametrize("old_version,new_version", [(15, 17), (14, 18)], ids=["15-to-17", "14-to-18"])
+# Not from Debian's 15: its 15.20 gives every column a vendor attribute
+# option (pg_attver) that it will not reset and that stock PostgreSQL
+# refuses when pg_upgrade restores the schema, whatever the database holds
+# (README, "Supported versions").
+@pytest.mark.parametrize("old_version,new_version", [(16, 17), (14, 18)], ids=["16-to-17", "14-to-18"])
 def test_pg_upgrade(servers, old_version, new_version):
     name = f"upgrade-{old_version}-{new_version}"
     old = servers(old_version, f"{name}-old").start()
