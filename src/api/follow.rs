@@ -239,8 +239,7 @@ fn updates(
     refuse_on_standby();
     // Whoever may not read the stream's tables (sql::read_as_owner) is
     // refused now, not after waiting.
-    let tables = catalog::stream_tables(stream);
-    sql::check_may_follow(&tables);
+    sql::check_may_follow(&catalog::stream_tables(stream));
     let index = registry_index(&meta);
     let since = since.0;
     // A token at the cap prints to hundreds of kilobytes: the error quotes
@@ -288,6 +287,10 @@ fn updates(
     // One snapshot for every read (any snapshot that sees the token's
     // commits sees the same rows below it).
     let answer = JsonbDatum(with_row_snapshot(|| {
+        // The stream's tables as this snapshot sees them: a table added
+        // while the follower waited is read too (its rows below the new
+        // token would otherwise be passed for good).
+        let tables = catalog::stream_tables(stream);
         // Each table's first limit+1 rows are enough to find the global
         // first limit+1 rows in ID order.
         let mut rows: Vec<Option<Vec<sql::UpdateRow>>> = tables

@@ -410,3 +410,24 @@ def test_a_busy_follower_takes_a_burst_in_one_call(connect, stream):
     last = commit_one()
     token, ids, elapsed = poll(token)
     assert ids == [last] and elapsed < 0.3, elapsed
+
+
+def test_a_table_added_while_a_follower_waits_is_read(connect, stream, pool):
+    """A follower waiting in updates() while a table is added to the stream
+    and a row is committed to it gets that row: the tables are listed with
+    the snapshot the rows are read with, not as they were when it started
+    to wait (its token would pass the row for good)."""
+    conn, admin, writer = connect(), connect(), connect()
+    setup_feed(admin, stream)
+    conn.execute("SET streampos.follower_batch_ms = 0")
+    token = one(conn, "SELECT streampos.updates(%s, '0')", (stream,))["token"]
+    future = pool.submit(lambda: parse_updates(one(conn, "SELECT streampos.updates(%s, %s, 100, 10000)", (stream, token))))
+    time.sleep(0.3)
+    admin.execute(f"CREATE TABLE {stream}_late (id bigint PRIMARY KEY, instance_name text)")
+    admin.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_late"))
+    writer.execute("BEGIN")
+    i = one(writer, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    writer.execute(f"INSERT INTO {stream}_late VALUES (%s, 'w1')", (i,))
+    writer.execute("COMMIT")
+    _, _, tables = future.result(timeout=20)
+    assert tables.get(f"public.{stream}_late") == [[i, "w1"]], tables
