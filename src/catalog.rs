@@ -207,6 +207,7 @@ unsafe extern "C-unwind" fn on_namespace_invalidation(
     _hash: u32,
 ) {
     TABLES_CHANGED.set(true);
+    crate::sql::relations_changed();
 }
 
 /// A relcache invalidation: `relid` changed (InvalidOid: every relation).

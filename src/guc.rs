@@ -19,7 +19,7 @@ pub static POSITION_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(200);
 /// ends; 0: never.
 pub static LOG_HELD_BACK_AFTER_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 /// A long-polling `updates()` (timeout > 0) returns no sooner than this
-/// after the session's previous `updates()` returned: a follower on a busy
+/// after the session's previous `updates()` of the stream returned: a busy
 /// stream takes a burst of commits in one call instead of one call per
 /// commit; an idle follower is woken at once. 0: at once, always.
 pub static FOLLOWER_BATCH_MS: GucSetting<i32> = GucSetting::<i32>::new(5);
@@ -139,7 +139,7 @@ fn define_runtime() {
     );
     GucRegistry::define_int_guc(
         c"streampos.follower_batch_ms",
-        c"A long-polling updates() returns no sooner than this after the session's previous updates() returned (0: at once).",
+        c"A long-polling updates() returns no sooner than this after the session's previous updates() of the stream returned (0: at once).",
         c"Followers of a busy stream take a burst of commits in one call; an idle follower is woken at once.",
         &FOLLOWER_BATCH_MS,
         0,

@@ -433,6 +433,9 @@ pub fn read_as_owner<T>(
             row_security: form.relrowsecurity,
         };
         pg_sys::relation_close(r, pg_sys::NoLock as pg_sys::LOCKMODE);
+        // A lock this transaction already held took in no invalidation:
+        // take them now, so that the name below is the current one.
+        pg_sys::AcceptInvalidationMessages();
         facts
     };
     let name = relation_name(rel);
@@ -1038,82 +1041,112 @@ fn unusable(oid: pg_sys::Oid, problem: String, advice: &'static str) -> Unusable
 }
 
 /// Every registered table of a stream as it is now: usable, or what is
-/// wrong with it.
+/// wrong with it. The registrations are read with the caller's snapshot
+/// (the catalog cache's rules cover them); each table's definition (kind,
+/// columns, types) from the relcache, the latest catalog, which is what
+/// relcache invalidations track (a snapshot's older view of a column
+/// renamed back and forth must not be cached as current).
 fn registered_stream_tables(stream: &str) -> Vec<Result<StreamTable, Unusable>> {
-    select_all(
-        "SELECT t.tbl::pg_catalog.oid, t.id_column::pg_catalog.text, t.instance_column::pg_catalog.text, \
-                c.relkind::pg_catalog.text, \
-                ARRAY(SELECT a.attname::pg_catalog.text FROM pg_catalog.pg_attribute a \
-                      WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
-                        AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped \
-                      ORDER BY a.attnum), \
-                ARRAY(SELECT a.atttypid FROM pg_catalog.pg_attribute a \
-                      WHERE a.attrelid OPERATOR(pg_catalog.=) c.oid \
-                        AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped \
-                      ORDER BY a.attnum) \
+    let registered = select_all(
+        "SELECT t.tbl::pg_catalog.oid, t.id_column::pg_catalog.text, t.instance_column::pg_catalog.text \
          FROM streampos.stream_tables t \
-         LEFT JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) t.tbl::pg_catalog.oid \
          WHERE t.stream_name OPERATOR(pg_catalog.=) $1 \
          ORDER BY 1",
         &[stream.into()],
         |r| {
-            let oid = r.get::<pg_sys::Oid>(1)?.unwrap_or(pg_sys::InvalidOid);
-            let id_column = r.get::<String>(2)?.unwrap_or_default();
-            let instance_column = r.get::<String>(3)?;
-            let Some(kind) = r.get::<String>(4)? else {
-                return Ok(Some(Err(Unusable {
+            Ok(Some((
+                r.get::<pg_sys::Oid>(1)?.unwrap_or(pg_sys::InvalidOid),
+                r.get::<String>(2)?.unwrap_or_default(),
+                r.get::<String>(3)?,
+            )))
+        },
+    );
+    registered
+        .into_iter()
+        .map(|(oid, id_column, instance_column)| {
+            let Some((kind, columns, types)) = relation_definition(oid) else {
+                return Err(Unusable {
                     oid,
                     problem: "was dropped".into(),
                     dropped: true,
                     advice: "repair => true forgets it",
-                })));
+                });
             };
-            let columns = r.get::<Vec<String>>(5)?.unwrap_or_default();
-            let types = r.get::<Vec<pg_sys::Oid>>(6)?.unwrap_or_default();
             let name = relation_name(oid);
-            let kind = kind.bytes().next().unwrap_or(b'?');
             if !is_table_kind(kind) {
-                return Ok(Some(Err(unusable(
+                return Err(unusable(
                     oid,
                     format!("{name} is {} now, not a table", relkind_name(kind)),
                     "streampos reads only tables",
-                ))));
+                ));
             }
             for column in std::iter::once(&id_column).chain(&instance_column) {
                 match columns.iter().position(|c| c == column) {
                     None => {
-                        return Ok(Some(Err(unusable(
+                        return Err(unusable(
                             oid,
                             format!("{name} has no column {column}"),
                             "add_table() again with the new column names",
-                        ))))
+                        ))
                     }
                     // updates() compares and casts these columns: only
                     // built-in types, whose casts and operators nobody but
                     // the bootstrap superuser wrote.
                     Some(i) if !built_in_type(types[i]) => {
-                        return Ok(Some(Err(unusable(
+                        return Err(unusable(
                             oid,
                             format!(
                                 "column {column} of {name} is of type {}, not a built-in type",
                                 type_name(types[i])
                             ),
                             "streampos compares and casts ID and instance columns only of built-in types",
-                        ))))
+                        ))
                     }
                     Some(_) => {}
                 }
             }
-            Ok(Some(Ok(StreamTable {
+            Ok(StreamTable {
                 oid,
                 name,
                 id_column,
                 instance_column,
                 columns,
                 types,
-            })))
-        },
-    )
+            })
+        })
+        .collect()
+}
+
+/// A relation's kind and live columns (names, types) from the relcache,
+/// or None when it does not exist.
+fn relation_definition(oid: pg_sys::Oid) -> Option<(u8, Vec<String>, Vec<pg_sys::Oid>)> {
+    // SAFETY: RelationIdGetRelation returns NULL for a relation that does
+    // not exist (no lock: the definition is read here and copied; the
+    // reads that follow lock the table and check it again); the entry is
+    // closed before returning.
+    unsafe {
+        let rel = pg_sys::RelationIdGetRelation(oid);
+        if rel.is_null() {
+            return None;
+        }
+        let kind = (*(*rel).rd_rel).relkind as u8;
+        let mut columns = Vec::new();
+        let mut types = Vec::new();
+        // pgrx reads the attributes as each PostgreSQL version lays them out.
+        for att in pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att).iter() {
+            if att.attisdropped {
+                continue;
+            }
+            columns.push(
+                CStr::from_ptr(att.attname.data.as_ptr())
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+            types.push(att.atttypid);
+        }
+        pg_sys::RelationClose(rel);
+        Some((kind, columns, types))
+    }
 }
 
 /// The stream's usable tables, by table name.
@@ -1391,6 +1424,12 @@ pub fn update_rows(
         PgOid::BuiltIn(PgBuiltInOids::INT8OID),
     ];
     let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
+    // Every relation the statement reads is locked before the table's name
+    // is looked up (read_as_owner locks the table, then takes in pending
+    // invalidations): a kept statement checked again while it runs then
+    // takes no new lock, so no invalidation (a schema renamed) is taken in
+    // between, and its text, if analysed again, names the table checked.
+    lock_instances_table();
     read_as_owner(table.oid, &columns, |name| {
         let query = format!(
             "SELECT t.{id}::pg_catalog.int8, {row} {} ORDER BY t.{id} LIMIT $5",
@@ -1414,6 +1453,23 @@ pub fn update_rows(
             }
         })
     })
+}
+
+/// Lock `streampos.instances` for reading (what `update_rows`' statements
+/// join), for the rest of the transaction.
+fn lock_instances_table() {
+    // SAFETY: syscache lookups (InvalidOid when missing), then a lock as
+    // any read takes.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return;
+        }
+        let rel = pg_sys::get_relname_relid(c"instances".as_ptr(), nsp);
+        if rel != pg_sys::InvalidOid {
+            pg_sys::LockRelationOid(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        }
+    }
 }
 
 /// A table's row as the JSON array `updates` returns (see `json_column`).

@@ -153,20 +153,34 @@ fn wait_until<T>(
 }
 
 thread_local! {
-    /// When this session's latest `updates()` returned.
-    static LAST_UPDATES: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    /// When this session's latest `updates()` of each stream (by registry
+    /// key) returned: a session following several streams in turn is not
+    /// held back on one by its answer on another.
+    static LAST_UPDATES: std::cell::RefCell<crate::fast_hash::FastMap<i32, Instant>> =
+        std::cell::RefCell::new(crate::fast_hash::FastMap::default());
 }
 
 /// The end of the batch window (`streampos.follower_batch_ms`) after this
-/// session's previous `updates()`, if any.
-fn batch_window_end() -> Option<Instant> {
+/// session's previous `updates()` of the stream, if any.
+fn batch_window_end(key: i32) -> Option<Instant> {
     let window = crate::guc::FOLLOWER_BATCH_MS.get();
     if window <= 0 {
         return None;
     }
     LAST_UPDATES
-        .get()
+        .with(|l| l.borrow().get(&key).copied())
         .map(|at| at + Duration::from_millis(window as u64))
+}
+
+fn answered_updates(key: i32) {
+    LAST_UPDATES.with(|l| {
+        let mut last = l.borrow_mut();
+        // Bounded by the streams a session follows; start over past that.
+        if last.len() >= 1024 {
+            last.clear();
+        }
+        last.insert(key, Instant::now());
+    });
 }
 
 /// Followers need the primary's registry: a standby's replay broadcasts
@@ -256,7 +270,7 @@ fn updates(
     );
     // Wait until some writer moved past `since`.
     let not_before = if timeout_ms > 0 {
-        batch_window_end()
+        batch_window_end(meta.key)
     } else {
         None
     };
@@ -337,7 +351,7 @@ fn updates(
             limited,
         )
     }));
-    LAST_UPDATES.set(Some(Instant::now()));
+    answered_updates(meta.key);
     answer
 }
 

@@ -431,3 +431,42 @@ def test_a_table_added_while_a_follower_waits_is_read(connect, stream, pool):
     writer.execute("COMMIT")
     _, _, tables = future.result(timeout=20)
     assert tables.get(f"public.{stream}_late") == [[i, "w1"]], tables
+
+
+def test_a_definition_seen_by_an_old_snapshot_is_not_kept(connect, stream):
+    """A REPEATABLE READ follower whose snapshot predates a column renamed
+    back (the table unusable in its snapshot's catalog) must not leave that
+    view cached: the next follower call reads the table's new rows."""
+    conn, admin, writer = connect(), connect(), connect()
+    setup_feed(admin, stream)
+    admin.execute(f"CREATE TABLE {stream}_other (x int)")
+    token = one(conn, "SELECT streampos.updates(%s, '0')", (stream,))["token"]
+    admin.execute(f"ALTER TABLE {stream}_ev RENAME COLUMN instance_name TO i2")
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    one(conn, "SELECT streampos.frontier(%s)", (stream,))
+    admin.execute(f"ALTER TABLE {stream}_ev RENAME COLUMN i2 TO instance_name")
+    # A lock not held yet takes in the invalidations, then a call.
+    one(conn, f"SELECT count(*) FROM {stream}_other")
+    one(conn, "SELECT streampos.updates(%s, %s)", (stream, token))
+    conn.execute("COMMIT")
+    writer.execute("BEGIN")
+    i = one(writer, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    writer.execute(f"INSERT INTO {stream}_ev VALUES (%s, 'w1', 'x')", (i,))
+    writer.execute("COMMIT")
+    _, _, tables = parse_updates(one(conn, "SELECT streampos.updates(%s, %s)", (stream, token)))
+    assert tables.get(f"public.{stream}_ev") == [[i, "w1", "x"]], tables
+
+
+def test_the_batch_window_is_per_stream(connect, stream):
+    """An answer on one stream does not hold back the session's next
+    long-poll on another stream whose rows are ready."""
+    conn, admin = connect(), connect()
+    setup_feed(admin, stream)
+    other = f"{stream}_2"
+    create_stream(admin, other)
+    conn.execute("SET streampos.follower_batch_ms = 1000")
+    admin.execute("SELECT streampos.next_id(%s, 'w1')", (other,))
+    one(conn, "SELECT streampos.updates(%s, '0', 100, 0)", (stream,))
+    started = time.monotonic()
+    one(conn, "SELECT streampos.updates(%s, '0', 100, 5000)", (other,))
+    assert time.monotonic() - started < 0.5
