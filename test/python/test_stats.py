@@ -113,10 +113,9 @@ def test_followers_waiting_are_counted_until_they_leave(connect, db, stream, poo
     held.execute("BEGIN")
     next_id(held, stream, "w1")  # 3, in flight
     waiters = [connect() for _ in range(4)]
-    for w in waiters[:2]:
-        pool.submit(w.execute, "SELECT streampos.wait_for(%s, 3, 20000)", (stream,))
-    pool.submit(waiters[2].execute, "SELECT streampos.updates(%s, %s, timeout_ms => 20000)",
-                (stream, str(target)))
+    woken = [pool.submit(w.execute, "SELECT streampos.wait_for(%s, 3, 20000)", (stream,)) for w in waiters[:2]]
+    terminated = pool.submit(waiters[2].execute, "SELECT streampos.updates(%s, %s, timeout_ms => 20000)",
+                             (stream, str(target)))
     cancelled = pool.submit(waiters[3].execute, "SELECT streampos.wait_for(%s, 3, 20000)", (stream,))
     wait_until(lambda: stat(db, stream)["followers_waiting"] == 4, message="four followers waiting")
     # Cancelled (an ERROR) and terminated (a FATAL) followers count
@@ -129,6 +128,12 @@ def test_followers_waiting_are_counted_until_they_leave(connect, db, stream, poo
     wait_until(lambda: stat(db, stream)["followers_waiting"] == 2, message="the terminated follower out")
     held.execute("COMMIT")
     wait_until(lambda: stat(db, stream)["followers_waiting"] == 0, message="the woken followers out")
+    # Every client call ended before the connections are closed (closing
+    # one while its thread still reads the answer crashed the client).
+    for future in woken:
+        future.result(timeout=10)
+    with pytest.raises(psycopg.OperationalError):
+        terminated.result(timeout=10)
 
 
 def test_store_lag_while_the_worker_cannot_store(connect, db, stream):
