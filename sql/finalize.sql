@@ -209,6 +209,60 @@ CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON hist
     FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
 ALTER TABLE history_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
+-- Functions with a token argument that defaults to NULL: the default needs
+-- the type complete (src/api/follow.rs, src/api/consumers.rs).
+CREATE FUNCTION updates(
+	"stream" TEXT,
+	"since" multi_writer_token DEFAULT NULL,
+	"max_rows" INT DEFAULT 100,
+	"timeout_ms" INT DEFAULT 0,
+	"consumer" TEXT DEFAULT NULL
+) RETURNS jsonb
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'updates_wrapper';
+CREATE FUNCTION register_consumer(
+	"stream" TEXT,
+	"consumer" TEXT,
+	"since" multi_writer_token DEFAULT NULL
+) RETURNS multi_writer_token
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'register_consumer_wrapper';
+
+-- Consumers: a named reader's acknowledged position on a stream, written
+-- by ack() in the consumer's own transaction (README, "Consumers"). Its
+-- owner is the role that registered it; a role may move or forget only the
+-- consumers of roles it has the privileges of.
+CREATE TABLE consumer_positions (
+    stream_name text NOT NULL REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
+    consumer_name text NOT NULL CHECK (octet_length(consumer_name) BETWEEN 1 AND 63),
+    owner regrole NOT NULL,
+    position multi_writer_token NOT NULL,
+    registered_at timestamptz NOT NULL,
+    acked_at timestamptz,
+    PRIMARY KEY (stream_name, consumer_name)
+);
+SELECT pg_catalog.pg_extension_config_dump('consumer_positions', '');
+GRANT SELECT ON consumer_positions TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON consumer_positions
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+
+-- Per consumer: how far behind the stream's newest finished ID its lowest
+-- writer position is (for the reader's snapshot), and since when it has
+-- not acknowledged.
+CREATE VIEW consumers AS
+SELECT c.stream_name, c.consumer_name, c.owner, c.position,
+       GREATEST(0,
+           max_stream_pos(current_token(c.stream_name)) OPERATOR(pg_catalog.-) stream_pos(c.position))
+           AS lag_ids,
+       c.registered_at, c.acked_at,
+       pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at)
+           AS since_ack
+FROM consumer_positions c;
+GRANT SELECT ON consumers TO PUBLIC;
+
 -- Privileges. Reading functions and token functions are for every role
 -- (updates() and check_stream() read the stream's tables with the caller's
 -- own privileges). Allocating needs what nextval() needs on the stream's
@@ -221,6 +275,11 @@ REVOKE EXECUTE ON FUNCTION set_writers(text, text[]) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION drop_stream(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION instance_id(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION adopt_synapse(name) FROM PUBLIC;
+-- Registering and acknowledging are for roles granted them; safe_to_delete
+-- and the view consumers are for everyone.
+REVOKE EXECUTE ON FUNCTION register_consumer(text, text, multi_writer_token) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION unregister_consumer(text, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION ack(text, text, multi_writer_token) FROM PUBLIC;
 
 -- Statistics, in shared memory since start-up (the README, "Monitoring").
 -- Every role may read them (another role's pid only as in_flight() shows
@@ -305,8 +364,19 @@ COMMENT ON FUNCTION adopt_synapse(name) IS
     'Register every stream of the Synapse database in schema, with its sequence, tables, instance ids and positions';
 COMMENT ON FUNCTION wait_for(text, bigint, integer) IS
     'Sleep until the frontier reaches stream_id or the timeout passes; returns the frontier';
-COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer) IS
-    'Replication feed: rows of the stream''s tables newer than since, with the token to continue from';
+COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer, text) IS
+    'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
+COMMENT ON TABLE consumer_positions IS
+    'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
+COMMENT ON VIEW consumers IS
+    'Per consumer: its position, how far behind the stream it is, and since when it has not acknowledged';
+COMMENT ON FUNCTION register_consumer(text, text, multi_writer_token) IS
+    'Register a consumer of the stream at since (default: the current token); idempotent for its owner';
+COMMENT ON FUNCTION unregister_consumer(text, text) IS 'Forget a consumer; whether it was registered';
+COMMENT ON FUNCTION ack(text, text, multi_writer_token) IS
+    'Acknowledge every row up to token, with this transaction; never backwards, never past the frontier';
+COMMENT ON FUNCTION safe_to_delete(text) IS
+    'The position up to which every consumer of the stream has acknowledged every row (NULL: no consumers)';
 COMMENT ON FUNCTION stat_get_streams() IS 'Statistics of each stream of this database (see the view stat_streams)';
 COMMENT ON FUNCTION stat_get_registry() IS 'Statistics of the in-flight registry (see the view stat_registry)';
 COMMENT ON FUNCTION stat_reset() IS

@@ -139,3 +139,91 @@ COMMENT ON VIEW streampos.stat_streams IS
     'Per stream: IDs allocated, commits and rollbacks, lag of the frontier and of the stored positions, what is in flight, followers waiting; since start-up';
 COMMENT ON VIEW streampos.stat_registry IS
     'The in-flight registry: streams loaded, finished ring use and folds, lock-free readers'' retries; since start-up';
+
+-- Consumers: a named reader's acknowledged position on a stream, written
+-- by ack() in the consumer's own transaction (README, "Consumers").
+CREATE TABLE streampos.consumer_positions (
+    stream_name text NOT NULL REFERENCES streampos.streams ON DELETE CASCADE ON UPDATE CASCADE,
+    consumer_name text NOT NULL CHECK (octet_length(consumer_name) BETWEEN 1 AND 63),
+    owner regrole NOT NULL,
+    position streampos.multi_writer_token NOT NULL,
+    registered_at timestamptz NOT NULL,
+    acked_at timestamptz,
+    PRIMARY KEY (stream_name, consumer_name)
+);
+SELECT pg_catalog.pg_extension_config_dump('streampos.consumer_positions', '');
+GRANT SELECT ON streampos.consumer_positions TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.consumer_positions
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE VIEW streampos.consumers AS
+SELECT c.stream_name, c.consumer_name, c.owner, c.position,
+       GREATEST(0,
+           max_stream_pos(current_token(c.stream_name)) OPERATOR(pg_catalog.-) stream_pos(c.position))
+           AS lag_ids,
+       c.registered_at, c.acked_at,
+       pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at)
+           AS since_ack
+FROM streampos.consumer_positions c;
+GRANT SELECT ON streampos.consumers TO PUBLIC;
+
+CREATE FUNCTION streampos."register_consumer"(
+	"stream" TEXT,
+	"consumer" TEXT,
+	"since" streampos.multi_writer_token DEFAULT NULL
+) RETURNS streampos.multi_writer_token
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'register_consumer_wrapper';
+CREATE FUNCTION streampos."unregister_consumer"(
+	"stream" TEXT,
+	"consumer" TEXT
+) RETURNS bool
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'unregister_consumer_wrapper';
+CREATE FUNCTION streampos."ack"(
+	"stream" TEXT,
+	"consumer" TEXT,
+	"token" streampos.multi_writer_token
+) RETURNS streampos.multi_writer_token
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'ack_wrapper';
+CREATE FUNCTION streampos."safe_to_delete"(
+	"stream" TEXT
+) RETURNS streampos.multi_writer_token
+STRICT STABLE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'safe_to_delete_wrapper';
+REVOKE EXECUTE ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION streampos.unregister_consumer(text, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION streampos.ack(text, text, streampos.multi_writer_token) FROM PUBLIC;
+
+-- updates() resumes from a consumer's position too: a fifth argument, and
+-- since may be NULL (so the function is no longer STRICT).
+DROP FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer);
+CREATE FUNCTION streampos."updates"(
+	"stream" TEXT,
+	"since" streampos.multi_writer_token DEFAULT NULL,
+	"max_rows" INT DEFAULT 100,
+	"timeout_ms" INT DEFAULT 0,
+	"consumer" TEXT DEFAULT NULL
+) RETURNS jsonb
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'updates_wrapper';
+
+COMMENT ON FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer, text) IS
+    'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
+COMMENT ON TABLE streampos.consumer_positions IS
+    'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
+COMMENT ON VIEW streampos.consumers IS
+    'Per consumer: its position, how far behind the stream it is, and since when it has not acknowledged';
+COMMENT ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) IS
+    'Register a consumer of the stream at since (default: the current token); idempotent for its owner';
+COMMENT ON FUNCTION streampos.unregister_consumer(text, text) IS 'Forget a consumer; whether it was registered';
+COMMENT ON FUNCTION streampos.ack(text, text, streampos.multi_writer_token) IS
+    'Acknowledge every row up to token, with this transaction; never backwards, never past the frontier';
+COMMENT ON FUNCTION streampos.safe_to_delete(text) IS
+    'The position up to which every consumer of the stream has acknowledged every row (NULL: no consumers)';

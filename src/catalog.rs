@@ -363,6 +363,10 @@ pub fn validate_instance_name(name: &str) -> Result<(), Error> {
     validate_name("instance", name, 63)
 }
 
+pub fn validate_consumer_name(name: &str) -> Result<(), Error> {
+    validate_name("consumer", name, 63)
+}
+
 fn validate_name(what: &str, name: &str, max: usize) -> Result<(), Error> {
     if name.is_empty() || name.len() > max {
         return Err(Error::InvalidArgument {

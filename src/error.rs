@@ -175,6 +175,21 @@ pub enum Error {
     /// to another name (the message says which).
     #[error("{0}")]
     InstanceConflict(String),
+    // Consumers (api/consumers.rs).
+    #[error("consumer \"{consumer}\" of stream \"{stream}\" does not exist")]
+    UnknownConsumer { stream: Name, consumer: Name },
+    #[error("consumer \"{consumer}\" of stream \"{stream}\" already exists")]
+    ConsumerExists {
+        stream: Name,
+        consumer: Name,
+        owner: String,
+    },
+    #[error("must be owner of consumer \"{consumer}\" of stream \"{stream}\"")]
+    NotConsumerOwner {
+        stream: Name,
+        consumer: Name,
+        owner: String,
+    },
 }
 
 impl Error {
@@ -189,8 +204,12 @@ impl Error {
         match self {
             Error::UnknownStream(_)
             | Error::UnknownInstanceName(_)
-            | Error::UnknownInstanceId(_) => Code::ERRCODE_UNDEFINED_OBJECT,
-            Error::StreamExists(_) => Code::ERRCODE_DUPLICATE_OBJECT,
+            | Error::UnknownInstanceId(_)
+            | Error::UnknownConsumer { .. } => Code::ERRCODE_UNDEFINED_OBJECT,
+            Error::StreamExists(_) | Error::ConsumerExists { .. } => {
+                Code::ERRCODE_DUPLICATE_OBJECT
+            }
+            Error::NotConsumerOwner { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::NotAWriter { .. }
             | Error::NotLoaded
             | Error::InvalidState { .. }
@@ -245,6 +264,12 @@ impl Error {
                 "The writers of stream \"{stream}\" are listed in streampos.streams; change them with streampos.set_writers()."
             )),
             Error::RegistryFull { what, .. } => Some(format!("No free {what} is left.")),
+            Error::ConsumerExists { owner, .. } => {
+                Some(format!("Role {owner} registered it; choose another name."))
+            }
+            Error::NotConsumerOwner { owner, .. } => Some(format!(
+                "Role {owner} registered it: only that role, its members and superusers may acknowledge or unregister it."
+            )),
             Error::NotPermanent { unlogged, .. } => Some(if *unlogged {
                 "An UNLOGGED sequence is reset at crash recovery and would hand out its IDs again.".into()
             } else {

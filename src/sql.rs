@@ -1996,3 +1996,100 @@ pub fn import_positions(stream: &str, positions: &[(String, i64)]) -> Vec<(Strin
         })
     })
 }
+
+/// A consumer's row: its owner and acknowledged position (token text).
+pub struct ConsumerRow {
+    pub owner: pg_sys::Oid,
+    pub position: String,
+}
+
+/// The consumer's row as the caller's snapshot sees it.
+pub fn consumer(stream: &str, consumer: &str) -> Option<ConsumerRow> {
+    select_all(
+        "SELECT c.owner::pg_catalog.oid, c.position::pg_catalog.text \
+         FROM streampos.consumer_positions c \
+         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND c.consumer_name OPERATOR(pg_catalog.=) $2",
+        &[stream.into(), consumer.into()],
+        |r| {
+            Ok(r.get::<pg_sys::Oid>(1)?
+                .zip(r.get::<String>(2)?)
+                .map(|(owner, position)| ConsumerRow { owner, position }))
+        },
+    )
+    .pop()
+}
+
+/// Register a consumer owned by `owner` at `position` (token text); None if
+/// the name is taken on the stream (a concurrent registration waits for the
+/// other to end, as any insert of a unique key does).
+pub fn insert_consumer(
+    stream: &str,
+    consumer: &str,
+    owner: pg_sys::Oid,
+    position: &str,
+) -> Option<String> {
+    let args: [DatumWithOid; 4] = [
+        stream.into(),
+        consumer.into(),
+        DatumWithOid::from(owner),
+        position.into(),
+    ];
+    as_owner(|| {
+        update_one::<String>(
+            "INSERT INTO streampos.consumer_positions AS c \
+               (stream_name, consumer_name, owner, position, registered_at) \
+             VALUES ($1, $2, $3::pg_catalog.oid::pg_catalog.regrole, \
+                     $4::pg_catalog.text::streampos.multi_writer_token, pg_catalog.now()) \
+             ON CONFLICT (stream_name, consumer_name) DO NOTHING \
+             RETURNING c.position::pg_catalog.text",
+            &args,
+        )
+    })
+}
+
+/// Move the consumer's position to its least upper bound with `token`
+/// (token text): never backwards. The row is locked until the caller's
+/// transaction ends, and a concurrent acknowledgement that committed first
+/// is joined, not overwritten (READ COMMITTED re-evaluates the new value on
+/// the newest row version). The position after, or None if the consumer
+/// no longer exists.
+pub fn advance_consumer(stream: &str, consumer: &str, token: &str) -> Option<String> {
+    as_owner(|| {
+        update_one::<String>(
+            "UPDATE streampos.consumer_positions c \
+             SET position = streampos.advance(c.position, \
+                   $3::pg_catalog.text::streampos.multi_writer_token), \
+                 acked_at = pg_catalog.now() \
+             WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+               AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+             RETURNING c.position::pg_catalog.text",
+            &[stream.into(), consumer.into(), token.into()],
+        )
+    })
+}
+
+/// Forget a consumer; whether it was registered.
+pub fn delete_consumer(stream: &str, consumer: &str) -> bool {
+    as_owner(|| {
+        update_one::<i32>(
+            "DELETE FROM streampos.consumer_positions c \
+             WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+               AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+             RETURNING 1",
+            &[stream.into(), consumer.into()],
+        )
+    })
+    .is_some()
+}
+
+/// Every consumer's position (token text) on the stream, as the caller's
+/// snapshot sees them.
+pub fn consumer_positions(stream: &str) -> Vec<String> {
+    select_all(
+        "SELECT c.position::pg_catalog.text FROM streampos.consumer_positions c \
+         WHERE c.stream_name OPERATOR(pg_catalog.=) $1",
+        &[stream.into()],
+        |r| r.get::<String>(1),
+    )
+}

@@ -27,6 +27,28 @@ fn advance_examples() {
 }
 
 #[test]
+fn meet_examples() {
+    let h = Token::historical;
+    let meet = |a: Token, b: Token| a.meet(&b);
+    assert_eq!(
+        meet(v(5, &[(1, 8), (2, 6)]), v(6, &[(2, 7), (3, 9)])),
+        v(5, &[(1, 6), (2, 6)])
+    );
+    assert_eq!(meet(v(5, &[(1, 8)]), v(8, &[(2, 9)])), v(5, &[(1, 8)]));
+    assert_eq!(meet(v(5, &[(1, 8)]), Token::live(3)), Token::live(3));
+    assert_eq!(meet(h(9, 7), v(5, &[(1, 8), (2, 6)])), v(5, &[(1, 7), (2, 6)]));
+    assert_eq!(meet(h(9, 7), h(1, 9)), Token::live(7));
+    assert_eq!(meet(v(5, &[(1, 8)]), v(5, &[(2, 9)])), Token::live(5));
+}
+
+#[test]
+fn meet_of_full_tokens_stays_within_the_cap() {
+    let full = many(1, MAX_INSTANCES);
+    assert_eq!(full.meet(&full), full);
+    assert_eq!(full.meet(&many(1 + MAX_INSTANCES, MAX_INSTANCES)), Token::live(0));
+}
+
+#[test]
 fn bound_examples() {
     assert_eq!(v(5, &[(1, 8), (2, 12)]).bound(10), v(5, &[(1, 8), (2, 10)]));
     assert_eq!(v(5, &[(1, 8), (2, 12)]).bound(4), Token::live(4));
@@ -164,6 +186,28 @@ proptest! {
         if a.is_before_or_eq(&b) && !b.is_historical() {
             prop_assert_eq!(&j, &b);
         }
+    }
+
+    #[test]
+    fn meet_is_greatest_lower_bound(a in arb_room(), b in arb_room(), c in arb_room()) {
+        let m = a.meet(&b);
+        prop_assert!(!m.is_historical());
+        // Commutative, idempotent on live views, associative.
+        prop_assert_eq!(&m, &b.meet(&a));
+        prop_assert_eq!(&a.meet(&a), &live_view(&a));
+        prop_assert_eq!(m.meet(&c), a.meet(&b.meet(&c)));
+        // A lower bound, and the greatest one.
+        prop_assert!(m.is_before_or_eq(&a));
+        prop_assert!(m.is_before_or_eq(&b));
+        if c.is_before_or_eq(&a) && c.is_before_or_eq(&b) {
+            prop_assert!(c.is_before_or_eq(&m));
+        }
+        for i in ids(&[&a, &b]) {
+            let p = |t: &Token| if t.is_historical() { t.stream() } else { t.instance_pos(i) };
+            prop_assert_eq!(m.instance_pos(i), p(&a).min(p(&b)));
+        }
+        // Still a valid token.
+        prop_assert_eq!(Token::parse(TokenKind::MultiWriter, &m.to_text(TokenKind::MultiWriter)).unwrap(), m.clone());
     }
 
     #[test]

@@ -221,13 +221,42 @@ fn token_now(meta: &StreamMeta) -> Token {
 
 // PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
 // which PostgreSQL refuses while a parallel plan runs in the query.
-#[pg_extern(volatile, strict, parallel_unsafe)]
+// Not STRICT: `since` or `consumer` is given, the other NULL. Any other
+// NULL argument, or neither of the two, answers NULL as a STRICT function
+// would. Declared in sql/finalize.sql: a token argument's `DEFAULT NULL`
+// needs the type complete, which the generated functions come before.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn updates(
-    stream: &str,
-    since: MultiWriterToken,
-    max_rows: default!(i32, 100),
-    timeout_ms: default!(i32, 0),
-) -> JsonbDatum {
+    stream: Option<&str>,
+    since: default!(Option<MultiWriterToken>, "NULL"),
+    max_rows: default!(Option<i32>, 100),
+    timeout_ms: default!(Option<i32>, 0),
+    consumer: default!(Option<&str>, "NULL"),
+) -> Option<JsonbDatum> {
+    let (stream, max_rows, timeout_ms) = (stream?, max_rows?, timeout_ms?);
+    let since = match (since, consumer) {
+        (Some(_), Some(_)) => Error::InvalidArgument {
+            message: "updates() takes since or consumer, not both".into(),
+            detail: Some(
+                "A consumer's rows start after its acknowledged position; pass since => NULL."
+                    .into(),
+            ),
+        }
+        .report(),
+        (Some(since), None) => since.0,
+        (None, Some(consumer)) => {
+            // The stream first: an unknown stream is reported as such.
+            catalog::stream(stream).or_raise();
+            super::consumers::consumer_position(stream, consumer)
+        }
+        (None, None) => return None,
+    };
+    Some(follow(stream, since, max_rows, timeout_ms))
+}
+
+/// One `updates()` answer: rows after `since`, at most `max_rows`, waiting
+/// at most `timeout_ms` for some.
+fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDatum {
     let meta = catalog::stream(stream).or_raise();
     if meta.backwards {
         Error::InvalidState {
@@ -255,7 +284,6 @@ fn updates(
     // refused now, not after waiting.
     sql::check_may_follow(&catalog::stream_tables(stream));
     let index = registry_index(&meta);
-    let since = since.0;
     // A token at the cap prints to hundreds of kilobytes: the error quotes
     // it clipped and names its highest position.
     refuse_ahead(&meta, "token", since.max_stream_pos(), || {

@@ -8,12 +8,14 @@
 //! | `reading.rs` | frontier, max_allocated, writer_position(s), current_token, current_room_token, in_flight |
 //! | `follow.rs` | wait_for, updates |
 //! | `check.rs` | check_stream |
+//! | `consumers.rs` | register_consumer, unregister_consumer, ack, safe_to_delete |
 //! | `stats.rs` | stat_get_streams, stat_get_registry (the views stat_streams, stat_registry), stat_reset |
 //! | `synapse.rs` | adopt_synapse |
 //! | `listen.rs` | is_position_worker |
 //! | `lock_stats.rs` | lock_stats (bench builds with the feature `lock-stats` only) |
 
 mod check;
+mod consumers;
 mod follow;
 mod listen;
 #[cfg(feature = "lock-stats")]

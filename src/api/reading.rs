@@ -73,7 +73,7 @@ fn writer_positions(
     TableIterator::new(rows)
 }
 
-fn token_of(stream: &str) -> Token {
+pub(super) fn token_of(stream: &str) -> Token {
     let meta = catalog::stream(stream).or_raise();
     let a = engine::answer(&meta);
     if meta.backwards {

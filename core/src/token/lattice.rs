@@ -1,4 +1,5 @@
-//! The lattice operations: `advance` (least upper bound) and `bound`.
+//! The lattice operations: `advance` (least upper bound), `meet`
+//! (greatest lower bound of live views) and `bound`.
 //!
 //! The causal order is a preorder (see `order.rs`): a least upper bound is
 //! unique only up to tokens with the same live view. `advance` picks one
@@ -28,6 +29,37 @@ impl Token {
         match (self.topological, other.topological) {
             (Some(a), Some(b)) => Ok(Token::historical(a.max(b), self.stream.max(other.stream))),
             _ => join_live(self.stream, &self.instances, other.stream, &other.instances),
+        }
+    }
+
+    /// The greatest lower bound of the two live views: every writer's
+    /// position is the lower of its two positions (a historical token counts
+    /// as `s{stream}`), entries not above the new minimum dropped. What every
+    /// one of several consumers has acknowledged (`safe_to_delete`).
+    /// Commutative, associative, idempotent; the answer is live and lists
+    /// only writers the token with the lower minimum lists, so it is never
+    /// longer than the longer argument and cannot fail.
+    pub fn meet(&self, other: &Token) -> Token {
+        let stream = self.stream.min(other.stream);
+        let instances = ids_of_both(&self.instances, &other.instances)
+            .filter_map(|id| {
+                let pos = self.live_pos(id).min(other.live_pos(id));
+                (pos > stream).then_some((id, pos))
+            })
+            .collect();
+        Token {
+            topological: None,
+            stream,
+            instances,
+        }
+    }
+
+    /// A writer's position in the live view (a historical token lists none).
+    fn live_pos(&self, id: i32) -> i64 {
+        if self.is_historical() {
+            self.stream
+        } else {
+            self.instance_pos(id)
         }
     }
 
@@ -105,5 +137,36 @@ fn join_live(s1: i64, a: &[(i32, i64)], s2: i64, b: &[(i32, i64)]) -> Result<Tok
         topological: None,
         stream,
         instances: out,
+    })
+}
+
+/// The instance IDs listed in either sorted list, ascending, each once.
+fn ids_of_both<'a>(a: &'a [(i32, i64)], b: &'a [(i32, i64)]) -> impl Iterator<Item = i32> + 'a {
+    let (mut a, mut b) = (a, b);
+    std::iter::from_fn(move || match (a.split_first(), b.split_first()) {
+        (None, None) => None,
+        (Some((&(ia, _), ta)), None) => {
+            a = ta;
+            Some(ia)
+        }
+        (None, Some((&(ib, _), tb))) => {
+            b = tb;
+            Some(ib)
+        }
+        (Some((&(ia, _), ta)), Some((&(ib, _), tb))) => match ia.cmp(&ib) {
+            Ordering::Less => {
+                a = ta;
+                Some(ia)
+            }
+            Ordering::Greater => {
+                b = tb;
+                Some(ib)
+            }
+            Ordering::Equal => {
+                a = ta;
+                b = tb;
+                Some(ia)
+            }
+        },
     })
 }

@@ -1,0 +1,397 @@
+"""Consumers: register_consumer, ack, unregister_consumer, safe_to_delete,
+the view consumers and updates(…, consumer => …), against real concurrent
+sessions: acknowledged with the caller's transaction, never backwards,
+never past the caller's snapshot, and only by the consumer's owner."""
+
+import random
+import threading
+import time
+
+import psycopg
+import pytest
+
+from support import connect_raw, create_stream, ensure_login_role, expect_error, one, rows
+
+WRITERS = ["w1", "w2"]
+
+
+def parse_rows(answer):
+    """(token, {table: [row, ...]}) of an updates() answer."""
+    data = answer["data"]
+    tables = {}
+    i = 0
+    while i < len(data):
+        name, _position, row_count, _columns = data[i][:4]
+        tables[name] = data[i + 1 : i + 1 + row_count]
+        i += 1 + row_count
+    return answer["token"], tables
+
+
+def setup_stream(conn, stream):
+    create_stream(conn, stream, writers=WRITERS)
+    conn.execute(f"CREATE TABLE {stream}_ev (id bigint PRIMARY KEY, instance_name text, body text)")
+    conn.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_ev"))
+
+
+def write(conn, stream, writer, n=1, commit=True):
+    """n rows of `writer` in one transaction; their IDs."""
+    conn.execute("BEGIN")
+    ids = one(conn, "SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n))
+    for i in ids:
+        conn.execute(f"INSERT INTO {stream}_ev VALUES (%s, %s, 'x')", (i, writer))
+    conn.execute("COMMIT" if commit else "ROLLBACK")
+    return ids
+
+
+def instance_id(conn, name):
+    return one(conn, "SELECT instance_id FROM streampos.instances WHERE instance_name = %s", (name,))
+
+
+def position(conn, stream, consumer):
+    return one(
+        conn,
+        "SELECT position::text FROM streampos.consumers WHERE stream_name = %s AND consumer_name = %s",
+        (stream, consumer),
+    )
+
+
+def register(conn, stream, consumer, since=None):
+    return one(conn, "SELECT streampos.register_consumer(%s, %s, %s)::text", (stream, consumer, since))
+
+
+def ack(conn, stream, consumer, token):
+    return one(conn, "SELECT streampos.ack(%s, %s, %s)::text", (stream, consumer, token))
+
+
+def consume(conn, stream, consumer, max_rows=100, timeout_ms=0):
+    answer = one(
+        conn,
+        "SELECT streampos.updates(%s, consumer => %s, max_rows => %s, timeout_ms => %s)",
+        (stream, consumer, max_rows, timeout_ms),
+    )
+    token, tables = parse_rows(answer)
+    return token, [r[0] for t in tables.values() for r in t]
+
+
+def test_register_consume_ack_resume(connect, stream):
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)  # 1, 2: before the consumer
+    assert register(db, stream, "sender") == "2"
+    assert register(db, stream, "sender") == "2", "registering again answers the position it has"
+    write(db, stream, "w2", 2)  # 3, 4
+    write(db, stream, "w1")  # 5
+    token, ids = consume(db, stream, "sender")
+    assert ids == [3, 4, 5] and token == "5"
+    # Not acknowledged: the next call answers the same rows.
+    assert consume(db, stream, "sender") == (token, ids)
+    # An acknowledgement rolled back is none.
+    db.execute("BEGIN")
+    assert ack(db, stream, "sender", token) == "5"
+    db.execute("ROLLBACK")
+    assert position(db, stream, "sender") == "2"
+    assert ack(db, stream, "sender", token) == "5"
+    assert position(db, stream, "sender") == "5"
+    assert consume(db, stream, "sender") == ("5", [])
+    # Never backwards: an older token changes nothing.
+    assert ack(db, stream, "sender", "3") == "5"
+    assert position(db, stream, "sender") == "5"
+    write(db, stream, "w2")  # 6
+    assert consume(db, stream, "sender") == ("6", [6])
+    [row] = rows(
+        db,
+        "SELECT lag_ids, acked_at IS NOT NULL, since_ack >= '0'::interval FROM streampos.consumers "
+        "WHERE stream_name = %s",
+        (stream,),
+    )
+    assert row == (1, True, True)
+    assert one(db, "SELECT streampos.unregister_consumer(%s, 'sender')", (stream,)) is True
+    assert one(db, "SELECT streampos.unregister_consumer(%s, 'sender')", (stream,)) is False
+    expect_error(
+        db, "SELECT streampos.updates(%s, consumer => 'sender')", (stream,), sqlstate="42704"
+    )
+    expect_error(db, "SELECT streampos.ack(%s, 'sender', '6')", (stream,), sqlstate="42704")
+
+
+def test_register_since_and_the_argument_rules(connect, stream):
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 3)
+    assert register(db, stream, "from_start", "0") == "0"
+    assert consume(db, stream, "from_start")[1] == [1, 2, 3]
+    err = expect_error(
+        db, "SELECT streampos.register_consumer(%s, 'ahead', '9')", (stream,), sqlstate="22023"
+    )
+    assert err.diag.message_primary.startswith('token 9 is past the frontier of stream "')
+    expect_error(db, "SELECT streampos.register_consumer(%s, '')", (stream,), sqlstate="22023")
+    expect_error(db, "SELECT streampos.register_consumer(%s, %s)", (stream, "c" * 64), sqlstate="22023")
+    expect_error(db, "SELECT streampos.register_consumer('no_such_stream', 'c')", sqlstate="42704")
+    err = expect_error(
+        db,
+        "SELECT streampos.updates(%s, '0', consumer => 'from_start')",
+        (stream,),
+        sqlstate="22023",
+    )
+    assert err.diag.message_primary == "updates() takes since or consumer, not both"
+    # NULL in, NULL out, as before; since alone still works positionally.
+    assert one(db, "SELECT streampos.updates(%s)", (stream,)) is None
+    assert one(db, "SELECT streampos.register_consumer(NULL, 'c')") is None
+    assert parse_rows(one(db, "SELECT streampos.updates(%s, '1')", (stream,)))[0] == "3"
+    create_stream(db, f"{stream}_b", backwards=True)
+    expect_error(
+        db, "SELECT streampos.register_consumer(%s, 'c')", (f"{stream}_b",), sqlstate="55000"
+    )
+
+
+def test_ack_never_passes_what_the_callers_snapshot_saw(connect, stream):
+    """A token from a later snapshot is refused under REPEATABLE READ: the
+    transaction cannot have processed rows it does not see."""
+    db, consumer = connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1")
+    register(db, stream, "c")
+    consumer.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert consume(consumer, stream, "c") == ("1", [])
+    write(db, stream, "w2", 2)
+    later = one(db, "SELECT streampos.current_token(%s)::text", (stream,))
+    assert later == "3"
+    err = expect_error(consumer, "SELECT streampos.ack(%s, 'c', %s)", (stream, later), sqlstate="22023")
+    assert "seen the stream up to 1" in err.diag.message_detail
+    consumer.execute("ROLLBACK")
+    assert ack(consumer, stream, "c", later) == "3"
+    # A writer's position past the frontier, with the minimum below it.
+    w2 = instance_id(db, "w2")
+    expect_error(
+        db, "SELECT streampos.ack(%s, 'c', %s)", (stream, f"m3~{w2}.4"), sqlstate="22023"
+    )
+
+
+def test_concurrent_acks_join(connect, pool, stream):
+    """Two transactions acknowledge incomparable tokens of one consumer: the
+    second waits for the first's row lock and joins its token to the
+    committed one (writer by writer), never overwrites it."""
+    db, a, b = connect(), connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 3)
+    write(db, stream, "w2", 3)
+    register(db, stream, "c", "0")
+    w1, w2 = instance_id(db, "w1"), instance_id(db, "w2")
+    a.execute("BEGIN")
+    assert ack(a, stream, "c", f"m1~{w1}.3") == f"m1~{w1}.3"
+    pending = pool.submit(ack, b, stream, "c", f"m2~{w2}.6")
+    time.sleep(0.3)
+    assert not pending.done(), "the second acknowledgement waits for the first"
+    a.execute("COMMIT")
+    assert pending.result(timeout=10) == f"m2~{w1}.3~{w2}.6"
+    assert position(db, stream, "c") == f"m2~{w1}.3~{w2}.6"
+
+
+def test_safe_to_delete_is_what_every_consumer_acknowledged(connect, stream):
+    db = connect()
+    setup_stream(db, stream)
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) is None
+    write(db, stream, "w1", 3)
+    write(db, stream, "w2", 3)
+    w1, w2 = instance_id(db, "w1"), instance_id(db, "w2")
+    register(db, stream, "a", f"m1~{w1}.3")
+    register(db, stream, "b", f"m2~{w2}.5")
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == f"m1~{w1}.2"
+    ack(db, stream, "a", "6")
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == f"m2~{w2}.5"
+    db.execute("SELECT streampos.unregister_consumer(%s, 'b')", (stream,))
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "6"
+    # Consumers go with their stream.
+    db.execute("SELECT streampos.drop_stream(%s)", (stream,))
+    assert one(db, "SELECT count(*) FROM streampos.consumer_positions WHERE stream_name = %s", (stream,)) == 0
+
+
+@pytest.fixture
+def roles(database):
+    names = [ensure_login_role(r) for r in ("streampos_con_a", "streampos_con_b", "streampos_con_m")]
+    with connect_raw() as admin:
+        for r in names:
+            admin.execute(f"GRANT EXECUTE ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token), "
+                          f"streampos.ack(text, text, streampos.multi_writer_token), "
+                          f"streampos.unregister_consumer(text, text) TO {r}")
+        admin.execute(f"GRANT {names[0]} TO {names[2]}")
+    return names
+
+
+def test_only_the_owner_moves_or_forgets_a_consumer(connect, stream, roles):
+    role_a, role_b, member_of_a = roles
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    nobody = connect(user=ensure_login_role("streampos_con_none"))
+    for sql in (
+        "SELECT streampos.register_consumer(%s, 'x')",
+        "SELECT streampos.ack(%s, 'x', '1')",
+        "SELECT streampos.unregister_consumer(%s, 'x')",
+    ):
+        expect_error(nobody, sql, (stream,), sqlstate="42501")
+    a, b, m = connect(user=role_a), connect(user=role_b), connect(user=member_of_a)
+    assert register(a, stream, "mine", "0") == "0"
+    assert one(db, "SELECT owner::text FROM streampos.consumers WHERE stream_name = %s", (stream,)) == role_a
+    err = expect_error(b, "SELECT streampos.ack(%s, 'mine', '2')", (stream,), sqlstate="42501")
+    assert err.diag.message_primary == f'must be owner of consumer "mine" of stream "{stream}"'
+    expect_error(b, "SELECT streampos.unregister_consumer(%s, 'mine')", (stream,), sqlstate="42501")
+    err = expect_error(b, "SELECT streampos.register_consumer(%s, 'mine')", (stream,), sqlstate="42710")
+    assert role_a in err.diag.message_detail
+    assert position(db, stream, "mine") == "0"
+    # Everyone reads positions, follows with them (given SELECT on the
+    # tables, as any follower) and sees what is safe.
+    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
+    assert one(b, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "0"
+    assert consume(b, stream, "mine")[1] == [1, 2]
+    assert one(nobody, "SELECT count(*) FROM streampos.consumers WHERE stream_name = %s", (stream,)) == 1
+    expect_error(nobody, "UPDATE streampos.consumer_positions SET position = '2'", sqlstate="42501")
+    # A member of the owner may act for it.
+    assert ack(m, stream, "mine", "2") == "2"
+    assert one(m, "SELECT streampos.unregister_consumer(%s, 'mine')", (stream,)) is True
+
+
+def test_a_callers_search_path_and_shadowing_objects_change_nothing(connect, stream, roles):
+    role_a = roles[0]
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    a = connect(user=role_a)
+    a.execute(
+        "CREATE TEMP TABLE consumer_positions (stream_name text, consumer_name text, owner regrole, "
+        "position text, registered_at timestamptz, acked_at timestamptz)"
+    )
+    a.execute("CREATE FUNCTION pg_temp.advance(text, text) RETURNS text LANGUAGE sql AS $$ SELECT '999' $$")
+    a.execute("SET search_path = pg_temp, public, streampos")
+    assert register(a, stream, "c", "0") == "0"
+    assert ack(a, stream, "c", "1") == "1"
+    assert one(a, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "1"
+    assert one(a, "SELECT count(*) FROM pg_temp.consumer_positions") == 0
+
+
+def test_every_row_processed_exactly_once_by_every_consumer_under_kills(connect, stream):
+    """Writers commit (one transaction in five rolled back) while three
+    consumers process rows and acknowledge them in the same transaction,
+    their sessions killed at random; a retention job deletes below
+    safe_to_delete meanwhile. Every consumer ends with every committed row,
+    each once (a processed row twice would violate the primary key), and no
+    row a consumer had not acknowledged was deleted before it read it."""
+    db = connect()
+    setup_stream(db, stream)
+    db.execute(f"CREATE TABLE {stream}_done (consumer text, id bigint, PRIMARY KEY (consumer, id))")
+    consumers = ["federation", "pusher", "appservice"]
+    for c in consumers:
+        register(db, stream, c)
+    committed = set()
+    lock = threading.Lock()
+    stop_writing = threading.Event()
+    stop = threading.Event()
+    errors = []
+    pids = {}
+    kills = [0]
+    batches = [0]
+
+    def writer(name, seed):
+        rng = random.Random(seed)
+        conn = connect()
+        try:
+            while not stop_writing.is_set():
+                commit = rng.random() >= 0.2
+                ids = write(conn, stream, name, rng.randint(1, 3), commit=commit)
+                if commit:
+                    with lock:
+                        committed.update(ids)
+                time.sleep(rng.random() * 0.003)
+        except Exception as e:
+            errors.append(e)
+            stop.set()
+
+    def consumer(name, seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            try:
+                conn = connect()
+                pids[name] = conn.info.backend_pid
+                while not stop.is_set():
+                    with conn.transaction():
+                        token, ids = consume(conn, stream, name, max_rows=rng.randint(1, 20), timeout_ms=100)
+                        for i in ids:
+                            conn.execute(f"INSERT INTO {stream}_done VALUES (%s, %s)", (name, i))
+                        time.sleep(rng.random() * 0.002)
+                        ack(conn, stream, name, token)
+                    batches[0] += 1
+            except psycopg.OperationalError:
+                continue  # killed: a new session resumes from the acknowledged position
+            except Exception as e:
+                errors.append(e)
+                stop.set()
+
+    def killer():
+        rng = random.Random(7)
+        conn = connect()
+        while not stop.is_set():
+            time.sleep(rng.uniform(0.02, 0.12))
+            name = rng.choice(consumers)
+            pid = pids.get(name)
+            if pid and one(conn, "SELECT pg_terminate_backend(%s)", (pid,)):
+                kills[0] += 1
+
+    def retention():
+        conn = connect()
+        try:
+            while not stop.is_set():
+                with conn.transaction():
+                    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    safe = one(conn, "SELECT streampos.safe_to_delete(%s)::text", (stream,))
+                    # Never past any consumer's position.
+                    assert one(
+                        conn,
+                        "SELECT bool_and(streampos.is_before_or_eq(%s::streampos.multi_writer_token, position)) "
+                        "FROM streampos.consumer_positions WHERE stream_name = %s",
+                        (safe, stream),
+                    )
+                    conn.execute(
+                        f"DELETE FROM {stream}_ev e USING streampos.instances i "
+                        "WHERE i.instance_name = e.instance_name "
+                        "AND NOT streampos.persisted_after(%s::streampos.multi_writer_token, i.instance_id, e.id)",
+                        (safe,),
+                    )
+                time.sleep(0.02)
+        except Exception as e:
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=writer, args=(w, k)) for k, w in enumerate(WRITERS)]
+    threads += [threading.Thread(target=consumer, args=(c, 10 + k)) for k, c in enumerate(consumers)]
+    threads += [threading.Thread(target=killer), threading.Thread(target=retention)]
+    for t in threads:
+        t.start()
+    time.sleep(6)
+    stop_writing.set()
+    final = one(db, "SELECT streampos.current_token(%s)::text", (stream,))
+    deadline = time.time() + 60
+    while time.time() < deadline and not errors:
+        behind = one(
+            db,
+            "SELECT count(*) FROM streampos.consumer_positions WHERE stream_name = %s "
+            "AND NOT streampos.is_before_or_eq(%s::streampos.multi_writer_token, position)",
+            (stream, final),
+        )
+        if behind == 0:
+            break
+        time.sleep(0.1)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert kills[0] >= 5 and batches[0] >= 50, (kills, batches)
+    print(f"\n  {len(committed)} committed rows, {batches[0]} batches, {kills[0]} consumer sessions killed")
+    for c in consumers:
+        done = {r[0] for r in rows(db, f"SELECT id FROM {stream}_done WHERE consumer = %s", (c,))}
+        assert done == committed, (c, sorted(committed - done)[:10], sorted(done - committed)[:10])
+    # Every consumer acknowledged everything: all of it may be deleted.
+    safe = one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,))
+    assert one(
+        db,
+        "SELECT streampos.is_before_or_eq(%s::streampos.multi_writer_token, %s::streampos.multi_writer_token)",
+        (final, safe),
+    ), (final, safe)
