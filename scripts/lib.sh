@@ -21,8 +21,11 @@ DEFAULT_PG_CONFIG=$PG_CONFIG
 ORIGINAL_LD_LIBRARY_PATH=${LD_LIBRARY_PATH-}
 
 # pg_config_of NN: the pg_config cargo pgrx builds version NN against.
+# Nothing (and success) before `cargo pgrx init` wrote the file: callers
+# run with errexit and pipefail.
 pg_config_of() {
-    sed -n "s/^pg$1 = \"\(.*\)\"\$/\1/p" "$PGRX_DIR/config.toml" 2>/dev/null | head -n 1
+    [ -f "$PGRX_DIR/config.toml" ] || return 0
+    sed -n "s/^pg$1 = \"\(.*\)\"\$/\1/p" "$PGRX_DIR/config.toml" | head -n 1
 }
 
 # use_postgresql NN: PG_BIN and PG_CONFIG of version NN (the default
