@@ -6,9 +6,12 @@
 - :class:`MultiWriterIdGenerator` (async) and
   :class:`SyncMultiWriterIdGenerator`: Synapse's ID generator interface,
   backed by ``streampos.next_id`` and the exact positions of the database.
+- :class:`Consumer`: a named consumer of a stream that reads rows with
+  ``streampos.updates`` and acknowledges them in the same transaction.
 """
 
 from .adapt import fetch_type_infos, register, register_types
+from .consumer import Batch, Consumer, TableRows
 from .id_generator import MultiWriterIdGenerator, NotAWriterError, SyncMultiWriterIdGenerator
 from .tokens import (
     InvalidTokenError,
@@ -21,6 +24,8 @@ from .tokens import (
 )
 
 __all__ = [
+    "Batch",
+    "Consumer",
     "InvalidTokenError",
     "MultiWriterIdGenerator",
     "MultiWriterToken",
@@ -30,6 +35,7 @@ __all__ = [
     "TokenArgumentError",
     "TokenBinaryError",
     "TokenRangeError",
+    "TableRows",
     "TokenSyntaxError",
     "fetch_type_infos",
     "register",

@@ -1,0 +1,154 @@
+"""A named consumer of a stream: registered once, it reads rows with
+``streampos.updates(…, consumer => name)`` and acknowledges them with
+``streampos.ack`` in the same transaction as whatever it does with them.
+
+Work done in the database inside :meth:`Consumer.batch` commits with the
+acknowledgement, so after a crash (the process killed, the connection
+lost) the consumer resumes from its last acknowledged position and
+processes every row exactly once. Work outside the database (a request to
+a remote server) happens before the acknowledgement commits: after a crash
+between the two it is done again, at least once.
+
+Only one process should run a consumer at a time: with ``exclusive=True``
+(the default) the consumer takes a session-level advisory lock on its
+name, and a second process waits for the first to go.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import psycopg
+
+from .tokens import MultiWriterToken
+
+__all__ = ["Batch", "Consumer", "TableRows"]
+
+
+@dataclass(frozen=True)
+class TableRows:
+    """One table's rows of a batch, oldest first, as lists in the order of
+    ``columns``."""
+
+    table: str
+    columns: List[str]
+    rows: List[List[Any]]
+
+    def dicts(self) -> Iterator[Dict[str, Any]]:
+        for row in self.rows:
+            yield dict(zip(self.columns, row))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """An ``updates()`` answer: the rows after the consumer's position, up
+    to ``token``; ``limited`` when more rows are waiting."""
+
+    token: MultiWriterToken
+    limited: bool
+    tables: Dict[str, TableRows] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return sum(len(t.rows) for t in self.tables.values())
+
+    @classmethod
+    def from_answer(cls, answer: Dict[str, Any]) -> "Batch":
+        data = answer["data"]
+        tables: Dict[str, TableRows] = {}
+        i = 0
+        while i < len(data):
+            name, _position, row_count, column_count = data[i][:4]
+            columns = list(data[i][4 : 4 + column_count])
+            tables[name] = TableRows(name, columns, data[i + 1 : i + 1 + row_count])
+            i += 1 + row_count
+        return cls(MultiWriterToken.parse(answer["token"]), bool(answer["limited"]), tables)
+
+
+class Consumer:
+    """A consumer ``name`` of ``stream`` on ``conn`` (a psycopg 3
+    connection this object uses, in autocommit mode outside its batches).
+
+    The role needs EXECUTE on ``register_consumer``, ``ack`` and
+    ``unregister_consumer`` (granted by the database owner) and SELECT on
+    the stream's tables.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.Connection,
+        stream: str,
+        name: str,
+        *,
+        max_rows: int = 100,
+        timeout_ms: int = 30_000,
+        exclusive: bool = True,
+    ) -> None:
+        self.conn = conn
+        self.stream = stream
+        self.name = name
+        self.max_rows = max_rows
+        self.timeout_ms = timeout_ms
+        self._exclusive = exclusive
+        self._locked = False
+
+    def register(self, since: Optional[Union[MultiWriterToken, str]] = None) -> MultiWriterToken:
+        """Register the consumer (at ``since``, default the stream's current
+        token); a consumer this role already registered keeps its position.
+        Returns the position."""
+        row = self.conn.execute(
+            "SELECT streampos.register_consumer(%s, %s, %s::streampos.multi_writer_token)::text",
+            (self.stream, self.name, None if since is None else str(since)),
+        ).fetchone()
+        assert row is not None
+        return MultiWriterToken.parse(row[0])
+
+    def unregister(self) -> bool:
+        """Forget the consumer; whether it was registered."""
+        row = self.conn.execute(
+            "SELECT streampos.unregister_consumer(%s, %s)", (self.stream, self.name)
+        ).fetchone()
+        return bool(row and row[0])
+
+    def position(self) -> Optional[MultiWriterToken]:
+        """The acknowledged position (None: not registered)."""
+        row = self.conn.execute(
+            "SELECT position::text FROM streampos.consumer_positions "
+            "WHERE stream_name = %s AND consumer_name = %s",
+            (self.stream, self.name),
+        ).fetchone()
+        return None if row is None else MultiWriterToken.parse(row[0])
+
+    def _lock(self) -> None:
+        if not self._exclusive or self._locked:
+            return
+        # A session lock: held until the connection ends, so a restarted
+        # process waits for the old session to be gone. The server notices
+        # a vanished client within a second while it long-polls (PostgreSQL
+        # 14 and later).
+        if self.conn.info.server_version >= 140000:
+            self.conn.execute("SET client_connection_check_interval = '1s'")
+        self.conn.execute(
+            "SELECT pg_catalog.pg_advisory_lock(pg_catalog.hashtextextended(%s, 0))",
+            (f"streampos consumer\x1f{self.stream}\x1f{self.name}",),
+        )
+        self._locked = True
+
+    @contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """One transaction: the rows after the acknowledged position (waiting
+        up to ``timeout_ms`` for some), then whatever the block does with
+        ``self.conn``, then ``ack`` of the batch's token; it all commits when
+        the block ends, or none of it if the block raises."""
+        self._lock()
+        with self.conn.transaction():
+            row = self.conn.execute(
+                "SELECT streampos.updates(%s, consumer => %s, max_rows => %s, timeout_ms => %s)",
+                (self.stream, self.name, self.max_rows, self.timeout_ms),
+            ).fetchone()
+            assert row is not None
+            batch = Batch.from_answer(row[0])
+            yield batch
+            self.conn.execute(
+                "SELECT streampos.ack(%s, %s, %s::streampos.multi_writer_token)",
+                (self.stream, self.name, str(batch.token)),
+            )

@@ -1,0 +1,124 @@
+"""streampos.Consumer: rows through updates(consumer => …), acknowledged in
+the transaction that processes them; and the federation sender example,
+killed with SIGKILL again and again, ends with every committed event in
+its outbox exactly once."""
+
+import json
+import random
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+import streampos
+from client_support import conninfo, connect, wait_until
+from test_examples import WRITERS, spawn
+
+
+def setup_events(db, stream):
+    table = f"{stream}_events"
+    db.execute("SELECT streampos.create_stream(%s, writers => %s)", (stream, WRITERS))
+    db.execute(f"CREATE TABLE {table} (stream_ordering bigint PRIMARY KEY, instance_name text NOT NULL, body jsonb)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'stream_ordering', 'instance_name')", (stream, table))
+    return table
+
+
+def write(db, stream, table, writer, n):
+    with db.transaction():
+        ids = db.execute("SELECT streampos.next_ids(%s, %s, %s)", (stream, writer, n)).fetchone()[0]
+        for i in ids:
+            db.execute(f"INSERT INTO {table} VALUES (%s, %s, '{{}}')", (i, writer))
+    return ids
+
+
+def test_a_batch_commits_with_its_acknowledgement(db, stream):
+    table = setup_events(db, stream)
+    write(db, stream, table, WRITERS[0], 2)
+    with connect() as conn:
+        consumer = streampos.Consumer(conn, stream, "c", max_rows=10, timeout_ms=0)
+        assert consumer.position() is None
+        assert consumer.register(since="0") == streampos.MultiWriterToken(0)
+        assert consumer.register() == streampos.MultiWriterToken(0), "a restart keeps the position"
+        conn.execute(f"CREATE TEMP TABLE seen (id bigint)")
+        with pytest.raises(RuntimeError):
+            with consumer.batch() as batch:
+                assert [r["stream_ordering"] for r in batch.tables[f"public.{table}"].dicts()] == [1, 2]
+                conn.execute("INSERT INTO seen VALUES (1)")
+                raise RuntimeError("processing failed")
+        assert consumer.position() == streampos.MultiWriterToken(0)
+        assert conn.execute("SELECT count(*) FROM seen").fetchone()[0] == 0
+        with consumer.batch() as batch:
+            assert len(batch) == 2 and not batch.limited
+            conn.execute("INSERT INTO seen SELECT unnest(%s::bigint[])", ([1, 2],))
+        assert consumer.position() == streampos.MultiWriterToken(2)
+        with consumer.batch() as batch:
+            assert len(batch) == 0
+        assert consumer.unregister() is True
+        assert consumer.position() is None
+
+
+def ids_in(output):
+    return [e["id"] for e in map(json.loads, output.splitlines()) if "id" in e]
+
+
+def test_federation_sender_survives_sigkill(db, stream):
+    table = setup_events(db, stream)
+    outbox = f"{stream}_outbox"
+    db.execute(f"CREATE TABLE {outbox} (stream_ordering bigint, instance_name text)")
+    dsn = conninfo()
+    sender_args = ("federation_sender.py", "--dsn", dsn, "--stream", stream, "--consumer", "sender",
+                   "--outbox", outbox, "--max-rows", "7", "--timeout-ms", "200")
+    persisters = [
+        spawn("event_persister.py", "--dsn", dsn, "--stream", stream, "--table", table, "--instance", name,
+              "--events", "80", "--concurrency", "4")
+        for name in WRITERS
+    ]
+    rng = random.Random(5)
+    printed = []
+    kills = 0
+    sender = spawn(*sender_args)
+    try:
+        while any(p.poll() is None for p in persisters) or kills < 6:
+            # Long enough for the process to start and take some batches.
+            time.sleep(rng.uniform(0.4, 1.2))
+            sender.send_signal(signal.SIGKILL)
+            out, _ = sender.communicate(timeout=30)
+            printed += ids_in(out)
+            kills += 1
+            sender = spawn(*sender_args)
+        summaries = []
+        for proc in persisters:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            summaries.append(json.loads(out))
+        final = db.execute("SELECT streampos.current_token(%s)::text", (stream,)).fetchone()[0]
+        wait_until(
+            lambda: db.execute(
+                "SELECT count(*) FROM streampos.consumer_positions WHERE stream_name = %s "
+                "AND consumer_name = 'sender' "
+                "AND streampos.is_before_or_eq(%s::streampos.multi_writer_token, position)",
+                (stream, final),
+            ).fetchone()[0] == 1,
+            timeout=60,
+            message="the sender caught up",
+        )
+        # Stopped cleanly once it has installed its signal handlers.
+        assert json.loads(sender.stdout.readline()) == {"started": True}
+        sender.send_signal(signal.SIGTERM)
+        out, err = sender.communicate(timeout=30)
+        assert sender.returncode == 0, err
+        printed += ids_in(out)
+    finally:
+        for proc in [sender, *persisters]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    committed = sorted(i for s in summaries for i in s["committed"])
+    queued = [r[0] for r in db.execute(f"SELECT stream_ordering FROM {outbox}").fetchall()]
+    assert [i for i, n in Counter(queued).items() if n > 1] == [], "an event queued twice"
+    assert sorted(queued) == committed, "an event lost"
+    # Outside the database: at least once.
+    assert set(printed) == set(committed)
+    print(f"\n  {len(committed)} events, sender killed {kills} times, "
+          f"{len(printed) - len(set(printed))} printed again after a kill")
