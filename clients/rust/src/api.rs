@@ -43,7 +43,7 @@ impl Queryable for Transaction<'_> {
     }
 }
 
-async fn one<Q: Queryable + ?Sized>(
+pub(crate) async fn one<Q: Queryable + ?Sized>(
     q: &Q,
     sql: &str,
     params: &[&(dyn ToSql + Sync)],
@@ -55,7 +55,7 @@ async fn one<Q: Queryable + ?Sized>(
         .ok_or_else(|| Error::Protocol(format!("no row from {sql}")))
 }
 
-fn millis(timeout: Duration) -> i32 {
+pub(crate) fn millis(timeout: Duration) -> i32 {
     i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX)
 }
 

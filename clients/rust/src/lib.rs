@@ -12,6 +12,8 @@
 //!   [`Updates`]).
 //! - [`Follower`]: long-polls `updates` and resumes from its token after a
 //!   reconnect.
+//! - [`Consumer`]: a named position on a stream, acknowledged in the
+//!   transaction that processes the rows; [`safe_to_delete`].
 //!
 //! ```no_run
 //! # async fn demo(client: &mut tokio_postgres::Client) -> Result<(), streampos_client::Error> {
@@ -25,6 +27,7 @@
 //! ```
 
 mod api;
+mod consume;
 mod follow;
 mod tokens;
 
@@ -33,6 +36,7 @@ pub use api::{
     updates, wait_for, writer_position, writer_positions, Queryable, TableUpdates, Updates,
     WriterPosition,
 };
+pub use consume::{safe_to_delete, Consumer};
 pub use follow::Follower;
 pub use streampos_core::token::{Token, TokenError, TokenKind};
 pub use tokens::{MultiWriterToken, RoomStreamToken};

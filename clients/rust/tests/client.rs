@@ -431,6 +431,52 @@ async fn updates_parse_into_typed_rows() {
     ));
 }
 
+/// A consumer's batch is acknowledged with the transaction that processes
+/// it: rolled back, the rows come again; committed, they never do.
+#[tokio::test]
+async fn consumer_acknowledges_with_its_transaction() {
+    let conninfo = setup!();
+    let mut writer = connect(&conninfo).await;
+    let mut client = connect(&conninfo).await;
+    let stream = new_stream(&client, &["w1", "w2"]).await;
+    insert(&mut writer, &stream, "w1", &[10, 11], true).await;
+    let consumer = sp::Consumer::new(&stream, "sender")
+        .with_max_rows(10)
+        .with_timeout(Duration::ZERO);
+    assert_eq!(sp::safe_to_delete(&client, &stream).await.unwrap(), None);
+    let start = MultiWriterToken::live(0);
+    assert_eq!(consumer.register(&client, Some(&start)).await.unwrap(), start);
+    assert_eq!(consumer.register(&client, None).await.unwrap(), start);
+
+    let txn = client.transaction().await.unwrap();
+    let batch = consumer.batch(&txn).await.unwrap();
+    assert_eq!((batch.token.to_string(), batch.row_count()), ("2".into(), 2));
+    consumer.ack(&txn, &batch.token).await.unwrap();
+    txn.rollback().await.unwrap();
+
+    let txn = client.transaction().await.unwrap();
+    let again = consumer.batch(&txn).await.unwrap();
+    assert_eq!(again, batch, "rolled back: the same rows again");
+    assert_eq!(consumer.ack(&txn, &again.token).await.unwrap(), again.token);
+    txn.commit().await.unwrap();
+    assert_eq!(
+        sp::safe_to_delete(&client, &stream).await.unwrap(),
+        Some(again.token.clone())
+    );
+
+    insert(&mut writer, &stream, "w2", &[12], true).await;
+    let txn = client.transaction().await.unwrap();
+    let next = consumer.batch(&txn).await.unwrap();
+    assert_eq!((next.token.to_string(), next.row_count()), ("3".into(), 1));
+    // A token past what this transaction has seen is refused.
+    let ahead = MultiWriterToken::live(100);
+    let err = consumer.ack(&txn, &ahead).await.unwrap_err();
+    assert_eq!(err.sqlstate(), Some("22023"));
+    txn.rollback().await.unwrap();
+    assert!(consumer.unregister(&client).await.unwrap());
+    assert!(!consumer.unregister(&client).await.unwrap());
+}
+
 /// The follower receives every committed row exactly once while writers
 /// commit and abort concurrently and its connection is killed repeatedly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
