@@ -206,9 +206,7 @@ impl Error {
             | Error::UnknownInstanceName(_)
             | Error::UnknownInstanceId(_)
             | Error::UnknownConsumer { .. } => Code::ERRCODE_UNDEFINED_OBJECT,
-            Error::StreamExists(_) | Error::ConsumerExists { .. } => {
-                Code::ERRCODE_DUPLICATE_OBJECT
-            }
+            Error::StreamExists(_) | Error::ConsumerExists { .. } => Code::ERRCODE_DUPLICATE_OBJECT,
             Error::NotConsumerOwner { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::NotAWriter { .. }
             | Error::NotLoaded

@@ -36,7 +36,10 @@ fn meet_examples() {
     );
     assert_eq!(meet(v(5, &[(1, 8)]), v(8, &[(2, 9)])), v(5, &[(1, 8)]));
     assert_eq!(meet(v(5, &[(1, 8)]), Token::live(3)), Token::live(3));
-    assert_eq!(meet(h(9, 7), v(5, &[(1, 8), (2, 6)])), v(5, &[(1, 7), (2, 6)]));
+    assert_eq!(
+        meet(h(9, 7), v(5, &[(1, 8), (2, 6)])),
+        v(5, &[(1, 7), (2, 6)])
+    );
     assert_eq!(meet(h(9, 7), h(1, 9)), Token::live(7));
     assert_eq!(meet(v(5, &[(1, 8)]), v(5, &[(2, 9)])), Token::live(5));
 }
@@ -45,7 +48,10 @@ fn meet_examples() {
 fn meet_of_full_tokens_stays_within_the_cap() {
     let full = many(1, MAX_INSTANCES);
     assert_eq!(full.meet(&full), full);
-    assert_eq!(full.meet(&many(1 + MAX_INSTANCES, MAX_INSTANCES)), Token::live(0));
+    assert_eq!(
+        full.meet(&many(1 + MAX_INSTANCES, MAX_INSTANCES)),
+        Token::live(0)
+    );
 }
 
 #[test]

@@ -445,12 +445,18 @@ async fn consumer_acknowledges_with_its_transaction() {
         .with_timeout(Duration::ZERO);
     assert_eq!(sp::safe_to_delete(&client, &stream).await.unwrap(), None);
     let start = MultiWriterToken::live(0);
-    assert_eq!(consumer.register(&client, Some(&start)).await.unwrap(), start);
+    assert_eq!(
+        consumer.register(&client, Some(&start)).await.unwrap(),
+        start
+    );
     assert_eq!(consumer.register(&client, None).await.unwrap(), start);
 
     let txn = client.transaction().await.unwrap();
     let batch = consumer.batch(&txn).await.unwrap();
-    assert_eq!((batch.token.to_string(), batch.row_count()), ("2".into(), 2));
+    assert_eq!(
+        (batch.token.to_string(), batch.row_count()),
+        ("2".into(), 2)
+    );
     consumer.ack(&txn, &batch.token).await.unwrap();
     txn.rollback().await.unwrap();
 
