@@ -262,11 +262,11 @@ impl Error {
                 "The writers of stream \"{stream}\" are listed in streampos.streams; change them with streampos.set_writers()."
             )),
             Error::RegistryFull { what, .. } => Some(format!("No free {what} is left.")),
-            Error::ConsumerExists { owner, .. } => {
-                Some(format!("Role {owner} registered it; choose another name."))
-            }
+            Error::ConsumerExists { owner, .. } => Some(format!(
+                "It belongs to {owner}; choose another name."
+            )),
             Error::NotConsumerOwner { owner, .. } => Some(format!(
-                "Role {owner} registered it: only that role, its members and superusers may acknowledge or unregister it."
+                "It belongs to {owner}: only that role, its members and superusers may acknowledge or unregister it."
             )),
             Error::NotPermanent { unlogged, .. } => Some(if *unlogged {
                 "An UNLOGGED sequence is reset at crash recovery and would hand out its IDs again.".into()

@@ -2052,35 +2052,66 @@ pub fn insert_consumer(
 /// (token text): never backwards. The row is locked until the caller's
 /// transaction ends, and a concurrent acknowledgement that committed first
 /// is joined, not overwritten (READ COMMITTED re-evaluates the new value on
-/// the newest row version). The position after, or None if the consumer
-/// no longer exists.
-pub fn advance_consumer(stream: &str, consumer: &str, token: &str) -> Option<String> {
+/// the newest row version). The owner of the row version written (the
+/// caller checks it: a consumer unregistered and registered again by
+/// another role since the caller's check is that role's) and the position
+/// after; None if the consumer no longer exists.
+pub fn advance_consumer(
+    stream: &str,
+    consumer: &str,
+    token: &str,
+) -> Option<(pg_sys::Oid, String)> {
     as_owner(|| {
-        update_one::<String>(
-            "UPDATE streampos.consumer_positions c \
-             SET position = streampos.advance(c.position, \
-                   $3::pg_catalog.text::streampos.multi_writer_token), \
-                 acked_at = pg_catalog.now() \
+        with_safe_path(|| {
+            spi(Spi::connect_mut(|client| {
+                let table = client.update(
+                    "UPDATE streampos.consumer_positions c \
+                     SET position = streampos.advance(c.position, \
+                           $3::pg_catalog.text::streampos.multi_writer_token), \
+                         acked_at = pg_catalog.now() \
+                     WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+                       AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+                     RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
+                    Some(1),
+                    &[stream.into(), consumer.into(), token.into()],
+                )?;
+                if table.is_empty() {
+                    return Ok(None);
+                }
+                let row = table.first();
+                Ok(row.get::<pg_sys::Oid>(1)?.zip(row.get::<String>(2)?))
+            }))
+        })
+    })
+}
+
+/// Forget a consumer; the owner of the row deleted (the caller checks it),
+/// None if there was none.
+pub fn delete_consumer(stream: &str, consumer: &str) -> Option<pg_sys::Oid> {
+    as_owner(|| {
+        update_one::<pg_sys::Oid>(
+            "DELETE FROM streampos.consumer_positions c \
              WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
                AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
-             RETURNING c.position::pg_catalog.text",
-            &[stream.into(), consumer.into(), token.into()],
+             RETURNING c.owner::pg_catalog.oid",
+            &[stream.into(), consumer.into()],
         )
     })
 }
 
-/// Forget a consumer; whether it was registered.
-pub fn delete_consumer(stream: &str, consumer: &str) -> bool {
+/// Forget every consumer of the stream (`drop_stream`, before it holds the
+/// sequence: a consumer's open transaction holds its row).
+pub fn delete_consumers(stream: &str) {
+    if !catalog_table_exists(c"consumer_positions") {
+        return;
+    }
     as_owner(|| {
-        update_one::<i32>(
+        run(
             "DELETE FROM streampos.consumer_positions c \
-             WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
-               AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
-             RETURNING 1",
-            &[stream.into(), consumer.into()],
+             WHERE c.stream_name OPERATOR(pg_catalog.=) $1",
+            &[stream.into()],
         )
-    })
-    .is_some()
+    });
 }
 
 /// Every consumer's position (token text) on the stream, as the caller's

@@ -55,35 +55,61 @@ fn parse_stored(text: &str) -> Token {
         .or_raise()
 }
 
-/// The consumer's row, which the caller must be able to act for.
-fn owned_consumer(stream: &str, consumer: &str) -> sql::ConsumerRow {
-    let Some(row) = sql::consumer(stream, consumer) else {
-        Error::UnknownConsumer {
-            stream: stream.into(),
-            consumer: consumer.into(),
-        }
-        .report()
-    };
-    if !sql::caller_acts_as(row.owner) {
+fn unknown_consumer(stream: &str, consumer: &str) -> ! {
+    Error::UnknownConsumer {
+        stream: stream.into(),
+        consumer: consumer.into(),
+    }
+    .report()
+}
+
+/// The caller must have the privileges of the consumer's owner. Checked
+/// again on the row a write changed: the row the caller's snapshot showed
+/// may have been unregistered and registered again by another role since
+/// (the ERROR undoes the write).
+fn check_owner(stream: &str, consumer: &str, owner: pg_sys::Oid) {
+    if !sql::caller_acts_as(owner) {
         Error::NotConsumerOwner {
             stream: stream.into(),
             consumer: consumer.into(),
-            owner: sql::role_display_name(row.owner),
+            owner: owner_text(owner),
         }
         .report();
     }
-    row
+}
+
+/// "role name", or what is left of a dropped role (DROP ROLE does not see
+/// consumers: PostgreSQL records no dependency on a row).
+fn owner_text(owner: pg_sys::Oid) -> String {
+    let name = sql::role_display_name(owner);
+    if name.starts_with("role ") {
+        format!("a dropped role (OID {})", owner.to_u32())
+    } else {
+        format!("role {name}")
+    }
+}
+
+/// Tokens of a forward stream: no position below 0 (its IDs start at 1).
+fn refuse_negative(token: &Token) {
+    if token.stream() < 0 {
+        Error::InvalidArgument {
+            message: format!(
+                "token {} has a position below 0",
+                clip(&token.to_text(TokenKind::MultiWriter))
+            ),
+            detail: Some(
+                "A consumer's position is 0 (nothing read) or an ID of the stream.".into(),
+            ),
+        }
+        .report();
+    }
 }
 
 /// The consumer's acknowledged position, for `updates(…, consumer => …)`.
 pub(super) fn consumer_position(stream: &str, consumer: &str) -> Token {
     match sql::consumer(stream, consumer) {
         Some(row) => parse_stored(&row.position),
-        None => Error::UnknownConsumer {
-            stream: stream.into(),
-            consumer: consumer.into(),
-        }
-        .report(),
+        None => unknown_consumer(stream, consumer),
     }
 }
 
@@ -103,9 +129,18 @@ fn register_consumer(
     let (stream, consumer) = (stream?, consumer?);
     forward_stream(stream);
     catalog::validate_consumer_name(consumer).or_raise();
+    // A consumer reads the stream's rows with updates(): whoever may not
+    // is refused now (and cannot hold retention back on a stream it
+    // cannot read).
+    sql::check_may_follow(&catalog::stream_tables(stream));
+    if let Some(existing) = sql::consumer(stream, consumer) {
+        return Some(existing_position(stream, consumer, existing));
+    }
     let position = match since {
         Some(since) => {
+            refuse_negative(&since.0);
             refuse_past_frontier(stream, "token", &since.0);
+            refuse_below_safe_to_delete(stream, &since.0);
             since.0
         }
         None => token_of(stream),
@@ -116,26 +151,63 @@ fn register_consumer(
     if let Some(stored) = sql::insert_consumer(stream, consumer, me, &text) {
         return Some(MultiWriterToken(parse_stored(&stored)));
     }
-    let Some(existing) = sql::consumer(stream, consumer) else {
-        // Taken and gone again since (a concurrent unregister).
-        Error::Retry {
+    // Registered by a transaction that committed while we waited for it.
+    match sql::consumer(stream, consumer) {
+        Some(existing) => Some(existing_position(stream, consumer, existing)),
+        // ... and gone again since (a concurrent unregister).
+        None => Error::Retry {
             message: format!(
                 "consumer \"{}\" of stream \"{}\" was unregistered while registering it",
                 clip(consumer),
                 clip(stream)
             ),
         }
-        .report()
-    };
+        .report(),
+    }
+}
+
+/// Registering a name already registered: its position, if the caller may
+/// act for its owner (whatever `since` said); 42710 otherwise.
+fn existing_position(stream: &str, consumer: &str, existing: sql::ConsumerRow) -> MultiWriterToken {
     if !sql::caller_acts_as(existing.owner) {
         Error::ConsumerExists {
             stream: stream.into(),
             consumer: consumer.into(),
-            owner: sql::role_display_name(existing.owner),
+            owner: owner_text(existing.owner),
         }
         .report();
     }
-    Some(MultiWriterToken(parse_stored(&existing.position)))
+    MultiWriterToken(parse_stored(&existing.position))
+}
+
+/// A new consumer starting below what every other consumer acknowledged
+/// would find rows a retention job may already have deleted.
+fn refuse_below_safe_to_delete(stream: &str, since: &Token) {
+    let Some(safe) = lowest_position(stream) else {
+        return;
+    };
+    if !safe.is_before_or_eq(since) {
+        Error::InvalidArgument {
+            message: format!(
+                "token {} is below what every consumer of stream \"{}\" has acknowledged",
+                clip(&since.to_text(TokenKind::MultiWriter)),
+                clip(stream)
+            ),
+            detail: Some(format!(
+                "Rows up to safe_to_delete() = {} may have been deleted; register at it or later.",
+                clip(&safe.to_text(TokenKind::MultiWriter))
+            )),
+        }
+        .report();
+    }
+}
+
+/// The greatest lower bound of every consumer's position (None: none).
+fn lowest_position(stream: &str) -> Option<Token> {
+    sql::consumer_positions(stream)
+        .iter()
+        .map(|text| parse_stored(text))
+        .reduce(|a, b| a.meet(&b))
 }
 
 /// Forget a consumer (its owner, a member, or a superuser); whether it was
@@ -143,11 +215,17 @@ fn register_consumer(
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn unregister_consumer(stream: &str, consumer: &str) -> bool {
     catalog::stream(stream).or_raise();
-    if sql::consumer(stream, consumer).is_none() {
-        return false;
+    match sql::consumer(stream, consumer) {
+        None => return false,
+        Some(row) => check_owner(stream, consumer, row.owner),
     }
-    owned_consumer(stream, consumer);
-    sql::delete_consumer(stream, consumer)
+    match sql::delete_consumer(stream, consumer) {
+        Some(owner) => {
+            check_owner(stream, consumer, owner);
+            true
+        }
+        None => false,
+    }
 }
 
 /// Acknowledge every row up to `token`, in the caller's transaction: the
@@ -157,17 +235,20 @@ fn unregister_consumer(stream: &str, consumer: &str) -> bool {
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToken {
     forward_stream(stream);
-    owned_consumer(stream, consumer);
+    match sql::consumer(stream, consumer) {
+        Some(row) => check_owner(stream, consumer, row.owner),
+        None => unknown_consumer(stream, consumer),
+    }
+    refuse_negative(&token.0);
     refuse_past_frontier(stream, "token", &token.0);
     match sql::advance_consumer(stream, consumer, &token.0.to_text(TokenKind::MultiWriter)) {
-        Some(position) => MultiWriterToken(parse_stored(&position)),
+        Some((owner, position)) => {
+            check_owner(stream, consumer, owner);
+            MultiWriterToken(parse_stored(&position))
+        }
         // Unregistered by a transaction that committed while we waited
         // for its row lock.
-        None => Error::UnknownConsumer {
-            stream: stream.into(),
-            consumer: consumer.into(),
-        }
-        .report(),
+        None => unknown_consumer(stream, consumer),
     }
 }
 
@@ -177,9 +258,5 @@ fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToke
 #[pg_extern(stable, strict, parallel_restricted)]
 fn safe_to_delete(stream: &str) -> Option<MultiWriterToken> {
     forward_stream(stream);
-    sql::consumer_positions(stream)
-        .iter()
-        .map(|text| parse_stored(text))
-        .reduce(|a, b| a.meet(&b))
-        .map(MultiWriterToken)
+    lowest_position(stream).map(MultiWriterToken)
 }

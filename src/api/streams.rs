@@ -238,6 +238,10 @@ fn set_writers(stream: &str, writers: Option<Array<'_, &str>>) {
 #[pg_extern(volatile, parallel_unsafe)]
 fn drop_stream(stream: &str) {
     let mut meta = catalog::stream_latest(stream).or_raise();
+    // A consumer's open transaction (an ack, a registration) holds its row:
+    // waited for before the sequence is held, so that writers never queue
+    // behind it, and bounded like every wait here (55P03).
+    sql::with_lock_wait_bound(|| sql::delete_consumers(stream));
     // Wait for every transaction allocating from the stream's sequence to
     // end; allocations after ours see the stream gone (sequence.rs). A
     // sequence the stream owns is about to be dropped: ACCESS EXCLUSIVE
@@ -251,7 +255,9 @@ fn drop_stream(stream: &str) {
     sequence::lock_against_allocation(meta.seq, mode as pg_sys::LOCKMODE, stream, "drop_stream");
     meta = catalog::stream_latest(stream).or_raise();
     catalog::mark_changed();
-    sql::delete_stream(stream);
+    // Bounded: a registration still open holds the stream's row (its
+    // foreign key's KEY SHARE lock).
+    sql::with_lock_wait_bound(|| sql::delete_stream(stream));
     if meta.owns_sequence {
         sql::with_lock_wait_bound(|| sql::drop_owned_sequence(meta.seq, stream));
     }

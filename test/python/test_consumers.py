@@ -193,8 +193,10 @@ def test_safe_to_delete_is_what_every_consumer_acknowledged(connect, stream):
     write(db, stream, "w1", 3)
     write(db, stream, "w2", 3)
     w1, w2 = instance_id(db, "w1"), instance_id(db, "w2")
-    register(db, stream, "a", f"m1~{w1}.3")
-    register(db, stream, "b", f"m2~{w2}.5")
+    register(db, stream, "a", "0")
+    register(db, stream, "b", "0")
+    ack(db, stream, "a", f"m1~{w1}.3")
+    ack(db, stream, "b", f"m2~{w2}.5")
     assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == f"m1~{w1}.2"
     ack(db, stream, "a", "6")
     assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == f"m2~{w2}.5"
@@ -230,6 +232,12 @@ def test_only_the_owner_moves_or_forgets_a_consumer(connect, stream, roles):
     ):
         expect_error(nobody, sql, (stream,), sqlstate="42501")
     a, b, m = connect(user=role_a), connect(user=role_b), connect(user=member_of_a)
+    # A consumer reads the stream's rows: registering needs what updates()
+    # needs (and a role that cannot read a stream cannot hold its
+    # retention back).
+    err = expect_error(a, "SELECT streampos.register_consumer(%s, 'mine', '0')", (stream,), sqlstate="42501")
+    assert err.diag.message_primary == f"permission denied for table public.{stream}_ev"
+    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
     assert register(a, stream, "mine", "0") == "0"
     assert one(db, "SELECT owner::text FROM streampos.consumers WHERE stream_name = %s", (stream,)) == role_a
     err = expect_error(b, "SELECT streampos.ack(%s, 'mine', '2')", (stream,), sqlstate="42501")
@@ -238,9 +246,7 @@ def test_only_the_owner_moves_or_forgets_a_consumer(connect, stream, roles):
     err = expect_error(b, "SELECT streampos.register_consumer(%s, 'mine')", (stream,), sqlstate="42710")
     assert role_a in err.diag.message_detail
     assert position(db, stream, "mine") == "0"
-    # Everyone reads positions, follows with them (given SELECT on the
-    # tables, as any follower) and sees what is safe.
-    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
+    # Everyone reads positions, follows with them and sees what is safe.
     assert one(b, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "0"
     assert consume(b, stream, "mine")[1] == [1, 2]
     assert one(nobody, "SELECT count(*) FROM streampos.consumers WHERE stream_name = %s", (stream,)) == 1
@@ -255,6 +261,7 @@ def test_a_callers_search_path_and_shadowing_objects_change_nothing(connect, str
     db = connect()
     setup_stream(db, stream)
     write(db, stream, "w1", 2)
+    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
     a = connect(user=role_a)
     a.execute(
         "CREATE TEMP TABLE consumer_positions (stream_name text, consumer_name text, owner regrole, "
@@ -266,6 +273,93 @@ def test_a_callers_search_path_and_shadowing_objects_change_nothing(connect, str
     assert ack(a, stream, "c", "1") == "1"
     assert one(a, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "1"
     assert one(a, "SELECT count(*) FROM pg_temp.consumer_positions") == 0
+
+
+def test_a_consumer_registered_again_by_another_role_is_not_the_callers(connect, pool, stream, roles):
+    """The owner is checked on the row the write changes: between the
+    caller's check (its statement's snapshot) and its write, the consumer
+    may have been unregistered and registered again by another role."""
+    role_a, role_b, _ = roles
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
+    a, a2, b = connect(user=role_a), connect(user=role_a), connect(user=role_b)
+    for call, args in (("ack", ", '2'"), ("unregister_consumer", "")):
+        register(a, stream, "race", "0")
+        # The statement's snapshot is taken before the sleep.
+        pending = pool.submit(
+            a.execute,
+            f"WITH s AS MATERIALIZED (SELECT pg_sleep(1)) SELECT streampos.{call}(%s, 'race'{args}) FROM s",
+            (stream,),
+        )
+        time.sleep(0.3)
+        assert one(a2, "SELECT streampos.unregister_consumer(%s, 'race')", (stream,)) is True
+        register(b, stream, "race", "0")
+        with pytest.raises(psycopg.Error) as info:
+            pending.result(timeout=10)
+        assert info.value.diag.sqlstate == "42501", info.value
+        assert rows(db, "SELECT owner::text, position::text FROM streampos.consumers "
+                        "WHERE stream_name = %s", (stream,)) == [(role_b, "0")]
+        db.execute("SELECT streampos.unregister_consumer(%s, 'race')", (stream,))
+
+
+def test_positions_below_zero_or_below_what_others_acknowledged(connect, stream):
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 4)
+    for token in ("-1", "-9223372036854775808", "m-5~1.2"):
+        expect_error(db, "SELECT streampos.register_consumer(%s, 'c', %s)", (stream, token), sqlstate="22023")
+    register(db, stream, "first", "0")
+    expect_error(db, "SELECT streampos.ack(%s, 'first', '-1')", (stream,), sqlstate="22023")
+    ack(db, stream, "first", "3")
+    # Rows up to 3 may be deleted by now: a new consumer starts there or later.
+    err = expect_error(db, "SELECT streampos.register_consumer(%s, 'late', '1')", (stream,), sqlstate="22023")
+    assert "safe_to_delete() = 3" in err.diag.message_detail
+    assert register(db, stream, "late", "3") == "3"
+    assert register(db, stream, "later") == "4"
+    assert [r[0] for r in rows(db, "SELECT lag_ids FROM streampos.consumers WHERE stream_name = %s "
+                                   "ORDER BY consumer_name", (stream,))] == [1, 1, 0]
+
+
+def test_drop_stream_waits_a_bounded_time_for_a_consumers_transaction(connect, stream):
+    """An acknowledgement left open holds its row: drop_stream waits for it
+    no longer than lock_timeout (5 s at most), and before it holds the
+    stream's sequence, so writers go on meanwhile."""
+    db, consumer, dropper, writer = connect(), connect(), connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    register(db, stream, "c", "0")
+    consumer.execute("BEGIN")
+    ack(consumer, stream, "c", "1")
+    dropper.execute("SET lock_timeout = '1s'")
+    started = time.monotonic()
+    expect_error(dropper, "SELECT streampos.drop_stream(%s)", (stream,), sqlstate="55P03")
+    assert time.monotonic() - started < 4
+    assert write(writer, stream, "w2") == [3]
+    consumer.execute("COMMIT")
+    db.execute("SELECT streampos.drop_stream(%s)", (stream,))
+
+
+def test_a_dropped_owners_consumer_is_left_to_a_superuser(connect, stream):
+    db = connect()
+    setup_stream(db, stream)
+    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
+    role = ensure_login_role("streampos_con_gone")
+    db.execute(f"GRANT EXECUTE ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) TO {role}")
+    gone = connect(user=role)
+    register(gone, stream, "orphan", "0")
+    gone.close()
+    db.execute(f"REVOKE EXECUTE ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) FROM {role}")
+    db.execute(f"REVOKE SELECT ON {stream}_ev FROM PUBLIC")
+    db.execute(f"DROP ROLE {role}")
+    # PostgreSQL records no dependency on a row: the consumer stays, and
+    # holds retention back until a superuser forgets it.
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "0"
+    other = connect(user=ensure_login_role("streampos_con_a"))
+    err = expect_error(other, "SELECT streampos.ack(%s, 'orphan', '0')", (stream,), sqlstate="42501")
+    assert err.diag.message_detail.startswith("It belongs to a dropped role (OID ")
+    assert one(db, "SELECT streampos.unregister_consumer(%s, 'orphan')", (stream,)) is True
 
 
 def test_every_row_processed_exactly_once_by_every_consumer_under_kills(connect, stream):

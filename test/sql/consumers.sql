@@ -17,9 +17,11 @@ COMMIT;
 
 -- Registering.
 SELECT streampos.safe_to_delete('con_s');
+SELECT streampos.register_consumer('con_s', 'from_one', '1')::text;
 SELECT streampos.register_consumer('con_s', 'sender')::text;
 SELECT streampos.register_consumer('con_s', 'sender', '1')::text;
-SELECT streampos.register_consumer('con_s', 'from_one', '1')::text;
+SELECT streampos.register_consumer('con_s', 'late', '0');
+SELECT streampos.register_consumer('con_s', 'negative', '-1');
 SELECT streampos.register_consumer('con_s', 'ahead', '4');
 SELECT streampos.register_consumer('con_s', '');
 SELECT streampos.register_consumer('con_s', repeat('c', 64));
