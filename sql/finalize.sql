@@ -220,7 +220,7 @@ CREATE FUNCTION updates(
 ) RETURNS jsonb
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'updates_wrapper';
+AS 'MODULE_PATHNAME', 'updates_v3_wrapper';
 CREATE FUNCTION register_consumer(
 	"stream" TEXT,
 	"consumer" TEXT,

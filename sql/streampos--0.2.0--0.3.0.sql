@@ -201,7 +201,14 @@ REVOKE EXECUTE ON FUNCTION streampos.unregister_consumer(text, text) FROM PUBLIC
 REVOKE EXECUTE ON FUNCTION streampos.ack(text, text, streampos.multi_writer_token) FROM PUBLIC;
 
 -- updates() resumes from a consumer's position too: a fifth argument, and
--- since may be NULL (so the function is no longer STRICT).
+-- since may be NULL (so the function is no longer STRICT). The function is
+-- dropped and created again: a view or a function with a SQL-standard body
+-- that calls it stops the update (README, "Upgrading"); EXECUTE granted or
+-- revoked on it is carried over.
+CREATE TEMPORARY TABLE streampos_updates_acl AS
+    SELECT p.proacl FROM pg_catalog.pg_proc p
+    WHERE p.oid OPERATOR(pg_catalog.=)
+          'streampos.updates(text, streampos.multi_writer_token, integer, integer)'::pg_catalog.regprocedure;
 DROP FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer);
 CREATE FUNCTION streampos."updates"(
 	"stream" TEXT,
@@ -212,7 +219,30 @@ CREATE FUNCTION streampos."updates"(
 ) RETURNS jsonb
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'updates_wrapper';
+AS 'MODULE_PATHNAME', 'updates_v3_wrapper';
+DO $$
+DECLARE
+    item record;
+BEGIN
+    IF (SELECT a.proacl FROM pg_temp.streampos_updates_acl a) IS NULL THEN
+        RETURN;  -- the default: EXECUTE for PUBLIC, as the new function has
+    END IF;
+    REVOKE EXECUTE ON FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer, text)
+        FROM PUBLIC;
+    FOR item IN
+        SELECT x.grantee, x.is_grantable
+        FROM pg_temp.streampos_updates_acl a, pg_catalog.aclexplode(a.proacl) x
+        WHERE x.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'
+    LOOP
+        EXECUTE pg_catalog.format(
+            'GRANT EXECUTE ON FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer, text) TO %s%s',
+            CASE WHEN item.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                 ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(item.grantee)) END,
+            CASE WHEN item.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+END
+$$;
+DROP TABLE pg_temp.streampos_updates_acl;
 
 COMMENT ON FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer, text) IS
     'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';

@@ -924,6 +924,10 @@ AS 'MODULE_PATHNAME', 'unregister_consumer_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "wait_for"(
 	"stream" TEXT,
 	"stream_id" bigint,
@@ -1195,7 +1199,7 @@ CREATE FUNCTION updates(
 ) RETURNS jsonb
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'updates_wrapper';
+AS 'MODULE_PATHNAME', 'updates_v3_wrapper';
 CREATE FUNCTION register_consumer(
 	"stream" TEXT,
 	"consumer" TEXT,

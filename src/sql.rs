@@ -142,6 +142,43 @@ fn lock_catalog(mode: u32) {
 /// the objsubid of an advisory lock.
 const CATALOG_LOCK_CLASS: u16 = 0x5350;
 
+/// The fourth field of a stream's consumers lock ("SC"), another class no
+/// SQL function can produce.
+const CONSUMERS_LOCK_CLASS: u16 = 0x5343;
+
+/// A stream's consumers lock (by its registry key, never reused), until
+/// the transaction ends: a registration takes it EXCLUSIVE, an
+/// acknowledgement or an unregistration SHARE. A registration checks its
+/// position against every other consumer's and then inserts its own, and
+/// no position may move or vanish in between, or a retention job that
+/// does not see the registration yet could delete rows below the others'
+/// positions that the new consumer needs (README, "Consumers"). The wait
+/// is bounded like a catalog change's (55P03).
+pub fn lock_consumers(stream_key: i32, exclusive: bool) {
+    let tag = pg_sys::LOCKTAG {
+        // SAFETY: reads the backend's database, set at connection.
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: u32::from_be_bytes(*b"strm"),
+        locktag_field3: stream_key as u32,
+        locktag_field4: CONSUMERS_LOCK_CLASS,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    };
+    let mode = if exclusive {
+        pg_sys::ExclusiveLock
+    } else {
+        pg_sys::ShareLock
+    };
+    with_lock_wait_bound(|| {
+        // SAFETY: a transaction-level heavyweight lock (released when the
+        // transaction or the subtransaction that took it ends); a failed or
+        // timed-out wait is an ERROR.
+        unsafe {
+            pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, false);
+        }
+    });
+}
+
 /// The role that owns the extension (and its catalog tables).
 fn extension_owner() -> pg_sys::Oid {
     select_one::<pg_sys::Oid>(
@@ -2112,6 +2149,31 @@ pub fn delete_consumers(stream: &str) {
             &[stream.into()],
         )
     });
+}
+
+/// Every consumer's position (token text) on the stream as last committed,
+/// each row locked FOR SHARE until the caller's transaction ends (under
+/// REPEATABLE READ a position changed since the transaction's snapshot is
+/// a serialization failure, 40001, rather than an old value).
+pub fn consumer_positions_locked(stream: &str) -> Vec<String> {
+    as_owner(|| {
+        with_safe_path(|| {
+            spi(Spi::connect_mut(|client| {
+                let mut out = Vec::new();
+                for r in client.update(
+                    "SELECT c.position::pg_catalog.text FROM streampos.consumer_positions c \
+                     WHERE c.stream_name OPERATOR(pg_catalog.=) $1 FOR SHARE",
+                    None,
+                    &[stream.into()],
+                )? {
+                    if let Some(v) = r.get::<String>(1)? {
+                        out.push(v);
+                    }
+                }
+                Ok(out)
+            }))
+        })
+    })
 }
 
 /// Every consumer's position (token text) on the stream, as the caller's

@@ -133,17 +133,51 @@ fn register_consumer(
     // is refused now (and cannot hold retention back on a stream it
     // cannot read).
     sql::check_may_follow(&catalog::stream_tables(stream));
+    // A consumer starting again finds its registration without waiting.
     if let Some(existing) = sql::consumer(stream, consumer) {
         return Some(existing_position(stream, consumer, existing));
     }
+    // Until this transaction ends, no other consumer of the stream is
+    // registered, acknowledges or goes (sql::lock_consumers).
+    let meta = catalog::stream_latest(stream).or_raise();
+    sql::lock_consumers(meta.key, true);
+    if catalog::stream_latest(stream).or_raise().key != meta.key {
+        Error::Retry {
+            message: format!(
+                "stream \"{}\" was dropped and created again while registering a consumer",
+                clip(stream)
+            ),
+        }
+        .report();
+    }
+    if let Some(existing) = sql::consumer(stream, consumer) {
+        return Some(existing_position(stream, consumer, existing));
+    }
+    // What every other consumer has acknowledged, as last committed: rows
+    // up to it may be deleted by now.
+    let others = sql::consumer_positions_locked(stream)
+        .iter()
+        .map(|text| parse_stored(text))
+        .reduce(|a, b| a.meet(&b));
     let position = match since {
         Some(since) => {
             refuse_negative(&since.0);
             refuse_past_frontier(stream, "token", &since.0);
-            refuse_below_safe_to_delete(stream, &since.0);
+            if let Some(safe) = &others {
+                refuse_below(stream, &since.0, safe);
+            }
             since.0
         }
-        None => token_of(stream),
+        // The current token, or what every other consumer has acknowledged
+        // if that is later (acknowledged by a snapshot newer than the
+        // caller's): rows there exist, and may be gone.
+        None => {
+            let current = token_of(stream);
+            match &others {
+                Some(safe) => current.advance(safe).or_raise(),
+                None => current,
+            }
+        }
     };
     // SAFETY: reads the current user id, set for every backend.
     let me = unsafe { pg_sys::GetUserId() };
@@ -182,10 +216,7 @@ fn existing_position(stream: &str, consumer: &str, existing: sql::ConsumerRow) -
 
 /// A new consumer starting below what every other consumer acknowledged
 /// would find rows a retention job may already have deleted.
-fn refuse_below_safe_to_delete(stream: &str, since: &Token) {
-    let Some(safe) = lowest_position(stream) else {
-        return;
-    };
+fn refuse_below(stream: &str, since: &Token, safe: &Token) {
     if !safe.is_before_or_eq(since) {
         Error::InvalidArgument {
             message: format!(
@@ -214,11 +245,12 @@ fn lowest_position(stream: &str) -> Option<Token> {
 /// registered.
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn unregister_consumer(stream: &str, consumer: &str) -> bool {
-    catalog::stream(stream).or_raise();
+    let meta = catalog::stream(stream).or_raise();
     match sql::consumer(stream, consumer) {
         None => return false,
         Some(row) => check_owner(stream, consumer, row.owner),
     }
+    sql::lock_consumers(meta.key, false);
     match sql::delete_consumer(stream, consumer) {
         Some(owner) => {
             check_owner(stream, consumer, owner);
@@ -234,13 +266,14 @@ fn unregister_consumer(stream: &str, consumer: &str) -> bool {
 /// has seen of the stream is refused (22023). The position after.
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToken {
-    forward_stream(stream);
+    let meta = forward_stream(stream);
     match sql::consumer(stream, consumer) {
         Some(row) => check_owner(stream, consumer, row.owner),
         None => unknown_consumer(stream, consumer),
     }
     refuse_negative(&token.0);
     refuse_past_frontier(stream, "token", &token.0);
+    sql::lock_consumers(meta.key, false);
     match sql::advance_consumer(stream, consumer, &token.0.to_text(TokenKind::MultiWriter)) {
         Some((owner, position)) => {
             check_owner(stream, consumer, owner);

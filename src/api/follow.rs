@@ -224,9 +224,11 @@ fn token_now(meta: &StreamMeta) -> Token {
 // Not STRICT: `since` or `consumer` is given, the other NULL. Any other
 // NULL argument, or neither of the two, answers NULL as a STRICT function
 // would. Declared in sql/finalize.sql: a token argument's `DEFAULT NULL`
-// needs the type complete, which the generated functions come before.
+// needs the type complete, which the generated functions come before. Its
+// C symbol is new (`updates_v3_wrapper`): 0.2.0's declaration of the
+// four-argument function names `updates_wrapper`, below.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn updates(
+fn updates_v3(
     stream: Option<&str>,
     since: default!(Option<MultiWriterToken>, "NULL"),
     max_rows: default!(Option<i32>, 100),
@@ -252,6 +254,13 @@ fn updates(
         (None, None) => return None,
     };
     Some(follow(stream, since, max_rows, timeout_ms))
+}
+
+/// 0.2.0's `updates(stream, since, max_rows, timeout_ms)`, STRICT: what a
+/// database not yet updated to 0.3.0 calls with this library.
+#[pg_extern(volatile, strict, parallel_unsafe, sql = false)]
+fn updates(stream: &str, since: MultiWriterToken, max_rows: i32, timeout_ms: i32) -> JsonbDatum {
+    follow(stream, since.0, max_rows, timeout_ms)
 }
 
 /// One `updates()` answer: rows after `since`, at most `max_rows`, waiting

@@ -322,6 +322,41 @@ def test_positions_below_zero_or_below_what_others_acknowledged(connect, stream)
                                    "ORDER BY consumer_name", (stream,))] == [1, 1, 0]
 
 
+def test_a_registration_in_progress_holds_every_position_of_the_stream(connect, pool, stream):
+    """While a registration's transaction runs, no other consumer of the
+    stream acknowledges, goes or registers: a retention job that cannot see
+    the new consumer yet would otherwise delete rows below the others' new
+    positions that the new consumer needs."""
+    db, old, new, other = connect(), connect(), connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 3)
+    register(db, stream, "old", "3")
+    new.execute("BEGIN")
+    assert register(new, stream, "new") == "3"
+    write(db, stream, "w1")  # 4
+    old.execute("BEGIN")
+    assert consume(old, stream, "old") == ("4", [4])
+    acked = pool.submit(ack, old, stream, "old", "4")
+    gone = pool.submit(other.execute, "SELECT streampos.register_consumer(%s, 'third')", (stream,))
+    time.sleep(0.5)
+    assert not acked.done() and not gone.done()
+    # What a retention job sees meanwhile: nothing above 3 may go.
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "3"
+    new.execute("COMMIT")
+    assert acked.result(timeout=10) == "4"
+    old.execute("COMMIT")
+    assert gone.result(timeout=10)
+    assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "3"
+    assert consume(db, stream, "new") == ("4", [4])
+    # A registration left open makes acknowledgements wait at most the bound.
+    new.execute("BEGIN")
+    register(new, stream, "fourth")
+    old.execute("SET lock_timeout = '500ms'")
+    expect_error(old, "SELECT streampos.ack(%s, 'old', '4')", (stream,), sqlstate="55P03")
+    new.execute("ROLLBACK")
+    assert ack(old, stream, "old", "4") == "4"
+
+
 def test_drop_stream_waits_a_bounded_time_for_a_consumers_transaction(connect, stream):
     """An acknowledgement left open holds its row: drop_stream waits for it
     no longer than lock_timeout (5 s at most), and before it holds the

@@ -236,3 +236,48 @@ def test_instance_ids_restored_ahead_of_a_fresh_sequence_are_not_given_again(fre
     assert one(c, "SELECT streampos.instance_id('new')") == 2
     assert one(c, "SELECT streampos.instance_id('restored')") == 1
     c.close()
+
+
+def test_a_database_not_yet_updated_follows_with_the_new_library(fresh_db):
+    """0.2.0 declares updates() with four arguments and STRICT; 0.3.0's has
+    five. Between installing the library and ALTER EXTENSION UPDATE, the old
+    declaration still reaches a function of the library that takes four."""
+    name = fresh_db()
+    admin = connect_raw(name)
+    admin.execute("CREATE EXTENSION streampos VERSION '0.2.0'")
+    admin.execute("SELECT streampos.create_stream('old_s')")
+    admin.execute("CREATE TABLE old_ev (id bigint, w text)")
+    admin.execute("SELECT streampos.add_table('old_s', 'old_ev', 'id', 'w')")
+    admin.execute("INSERT INTO old_ev SELECT streampos.next_id('old_s', 'w1'), 'w1' FROM generate_series(1, 3)")
+    for sql in ("SELECT streampos.updates('old_s', '1')", "SELECT streampos.updates('old_s', '1', 10, 0)"):
+        answer = one(admin, sql)
+        assert answer["token"] == "3" and [r[0] for r in answer["data"][1:]] == [2, 3]
+    assert one(admin, "SELECT streampos.updates('old_s', NULL)") is None
+    admin.close()
+
+
+def test_the_update_carries_updates_privileges_over(fresh_db):
+    """updates() is dropped and created again with a fifth argument: what a
+    database granted or revoked on it stays as it was."""
+    name = fresh_db()
+    admin = connect_raw(name)
+    role = f"up_{uuid.uuid4().hex[:8]}"
+    admin.execute(f"CREATE ROLE {role}")
+    try:
+        admin.execute("CREATE EXTENSION streampos VERSION '0.2.0'")
+        admin.execute("REVOKE EXECUTE ON FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer) FROM PUBLIC")
+        admin.execute(f"GRANT EXECUTE ON FUNCTION streampos.updates(text, streampos.multi_writer_token, integer, integer) TO {role}")
+        admin.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+        new = "streampos.updates(text, streampos.multi_writer_token, integer, integer, text)"
+        assert one(admin, f"SELECT has_function_privilege('public', '{new}', 'EXECUTE')") is False
+        assert one(admin, f"SELECT has_function_privilege('{role}', '{new}', 'EXECUTE')") is True
+        # A database that changed nothing keeps the default.
+        other = connect_raw(fresh_db())
+        other.execute("CREATE EXTENSION streampos VERSION '0.2.0'")
+        other.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+        assert one(other, f"SELECT proacl IS NULL FROM pg_proc WHERE oid = '{new}'::regprocedure") is True
+        other.close()
+    finally:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+        admin.close()

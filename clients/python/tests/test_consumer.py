@@ -122,3 +122,10 @@ def test_federation_sender_survives_sigkill(db, stream):
     assert set(printed) == set(committed)
     print(f"\n  {len(committed)} events, sender killed {kills} times, "
           f"{len(printed) - len(set(printed))} printed again after a kill")
+
+
+def test_a_connection_not_in_autocommit_is_refused(db, stream):
+    setup_events(db, stream)
+    with connect(autocommit=False) as conn:
+        with pytest.raises(ValueError, match="autocommit"):
+            streampos.Consumer(conn, stream, "c")

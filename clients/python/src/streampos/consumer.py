@@ -24,6 +24,9 @@ from .tokens import MultiWriterToken
 
 __all__ = ["Batch", "Consumer", "TableRows"]
 
+# The first key of the consumers' advisory locks: "spCN".
+_LOCK_CLASS = 0x7370434E
+
 
 @dataclass(frozen=True)
 class TableRows:
@@ -65,8 +68,9 @@ class Batch:
 
 
 class Consumer:
-    """A consumer ``name`` of ``stream`` on ``conn`` (a psycopg 3
-    connection this object uses, in autocommit mode outside its batches).
+    """A consumer ``name`` of ``stream`` on ``conn``, a psycopg 3 connection
+    in autocommit mode (ValueError otherwise) that this object uses; each
+    batch is a transaction of its own.
 
     The role needs EXECUTE on ``register_consumer``, ``ack`` and
     ``unregister_consumer`` (granted by the database owner) and SELECT on
@@ -83,6 +87,10 @@ class Consumer:
         timeout_ms: int = 30_000,
         exclusive: bool = True,
     ) -> None:
+        if not conn.autocommit:
+            # Otherwise the first statement opens a transaction that every
+            # batch would only be a savepoint of: nothing would ever commit.
+            raise ValueError("streampos.Consumer needs a connection in autocommit mode")
         self.conn = conn
         self.stream = stream
         self.name = name
@@ -107,6 +115,9 @@ class Consumer:
         row = self.conn.execute(
             "SELECT streampos.unregister_consumer(%s, %s)", (self.stream, self.name)
         ).fetchone()
+        if self._locked:
+            self.conn.execute("SELECT pg_catalog.pg_advisory_unlock(%s::pg_catalog.int4, pg_catalog.hashtext(%s))", self._lock_key())
+            self._locked = False
         return bool(row and row[0])
 
     def position(self) -> Optional[MultiWriterToken]:
@@ -127,11 +138,13 @@ class Consumer:
         # 14 and later).
         if self.conn.info.server_version >= 140000:
             self.conn.execute("SET client_connection_check_interval = '1s'")
-        self.conn.execute(
-            "SELECT pg_catalog.pg_advisory_lock(pg_catalog.hashtextextended(%s, 0))",
-            (f"streampos consumer\x1f{self.stream}\x1f{self.name}",),
-        )
+        self.conn.execute("SELECT pg_catalog.pg_advisory_lock(%s::pg_catalog.int4, pg_catalog.hashtext(%s))", self._lock_key())
         self._locked = True
+
+    def _lock_key(self) -> tuple:
+        # The two-integer advisory lock space (the application's bigint
+        # locks are another), with a class of its own in the first key.
+        return (_LOCK_CLASS, f"{self.stream}\x1f{self.name}")
 
     @contextmanager
     def batch(self) -> Iterator[Batch]:
