@@ -25,6 +25,7 @@ from support import (
     frontier,
     one,
     rows,
+    stored_positions,
     wait_until,
 )
 
@@ -468,6 +469,11 @@ def test_a_catalog_change_that_fails_at_commit_leaves_the_cache_usable(db, conne
         f"DROP TABLE IF EXISTS {table}"))
     writer = connect()
     commit_ids(writer, stream, "b", 1)  # caches the row
+    # The position worker stores that commit's positions first: set_writers
+    # deletes the positions of the writers it removes, and a row the worker
+    # updated after t2's snapshot would fail t2 early (40001 at the DELETE,
+    # not at COMMIT).
+    wait_until(lambda: stored_positions(db, stream) == {"a": 1, "b": 1}, message="positions stored")
     t1, t2 = connect(), connect()
     t1.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
     t2.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
