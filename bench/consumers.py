@@ -15,32 +15,19 @@ median of the rounds' ratios with their range.
    updates('c_s', since, n, 0) with the same position, n = 1 and 100.
 """
 import argparse
-import os
-import re
 import statistics
-import subprocess
-import sys
-import tempfile
 
 import psycopg
+
+from followers import Bench, fmt
 
 FILL_ROWS = 20000
 CLIENTS = (1, 4)
 
 
-def fmt(values):
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    return f"{med:.2f} ({lo:.2f}–{hi:.2f})"
-
-
-class Bench:
-    def __init__(self, args):
-        self.args = args
-        self.dir = tempfile.mkdtemp(prefix="streampos-consumers-")
-        self.conninfo = dict(host=args.host, port=args.port, dbname=args.dbname, user="postgres")
-
-    def connect(self):
-        return psycopg.connect(**self.conninfo, autocommit=True)
+class ConsumerBench(Bench):
+    """followers.Bench's connection, script and pgbench helpers, with the
+    consumers' tables and cells."""
 
     def setup(self):
         with psycopg.connect(**dict(self.conninfo, dbname="postgres"), autocommit=True) as c:
@@ -63,21 +50,6 @@ class Bench:
                 c.execute("SELECT streampos.register_consumer('c_s', %s, '0')", (f"c{k}",))
                 c.execute("INSERT INTO c_positions VALUES (%s, 'master', 0)", (f"c{k}",))
             c.execute("VACUUM ANALYZE c_ev, c_positions")
-
-    def script(self, name, body):
-        path = os.path.join(self.dir, re.sub(r"[^a-z0-9]+", "_", name.lower()) + ".sql")
-        with open(path, "w") as f:
-            f.write(body)
-        return path
-
-    def pgbench(self, script, clients, seconds):
-        cmd = [self.args.pgbench, "-h", self.args.host, "-p", str(self.args.port), "-U", "postgres",
-               "-n", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-T", str(seconds),
-               "-f", script, self.args.dbname]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"pgbench failed: {' '.join(cmd)}\n{out.stdout}\n{out.stderr}")
-        return float(re.search(r"tps = ([0-9.]+)", out.stdout).group(1))
 
     def compare(self, label, shapes, clients):
         """Rounds of the two shapes, alternating which goes first; (median
@@ -135,7 +107,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out")
     args = p.parse_args()
-    bench = Bench(args)
+    bench = ConsumerBench(args)
     bench.setup()
     acks = bench.acks()
     reads = bench.reads()
