@@ -31,12 +31,12 @@ fn forward_stream(stream: &str) -> std::rc::Rc<StreamMeta> {
 /// A position the caller's snapshot cannot have read past: every writer's
 /// position in `token` at most its position in the stream's current token.
 /// Acknowledging rows that may not exist yet is how a consumer loses them.
-fn refuse_past_frontier(stream: &str, what: &str, token: &Token) {
+fn refuse_past_frontier(stream: &str, token: &Token) {
     let current = token_of(stream);
     if !token.is_before_or_eq(&current) {
         Error::InvalidArgument {
             message: format!(
-                "{what} {} is past the frontier of stream \"{}\"",
+                "token {} is past the frontier of stream \"{}\"",
                 clip(&token.to_text(TokenKind::MultiWriter)),
                 clip(stream)
             ),
@@ -155,14 +155,11 @@ fn register_consumer(
     }
     // What every other consumer has acknowledged, as last committed: rows
     // up to it may be deleted by now.
-    let others = sql::consumer_positions_locked(stream)
-        .iter()
-        .map(|text| parse_stored(text))
-        .reduce(|a, b| a.meet(&b));
+    let others = meet_of(sql::consumer_positions_locked(stream));
     let position = match since {
         Some(since) => {
             refuse_negative(&since.0);
-            refuse_past_frontier(stream, "token", &since.0);
+            refuse_past_frontier(stream, &since.0);
             if let Some(safe) = &others {
                 refuse_below(stream, &since.0, safe);
             }
@@ -233,9 +230,9 @@ fn refuse_below(stream: &str, since: &Token, safe: &Token) {
     }
 }
 
-/// The greatest lower bound of every consumer's position (None: none).
-fn lowest_position(stream: &str) -> Option<Token> {
-    sql::consumer_positions(stream)
+/// The greatest lower bound of stored positions (None: there are none).
+fn meet_of(positions: Vec<String>) -> Option<Token> {
+    positions
         .iter()
         .map(|text| parse_stored(text))
         .reduce(|a, b| a.meet(&b))
@@ -272,7 +269,7 @@ fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToke
         None => unknown_consumer(stream, consumer),
     }
     refuse_negative(&token.0);
-    refuse_past_frontier(stream, "token", &token.0);
+    refuse_past_frontier(stream, &token.0);
     sql::lock_consumers(meta.key, false);
     match sql::advance_consumer(stream, consumer, &token.0.to_text(TokenKind::MultiWriter)) {
         Some((owner, position)) => {
@@ -291,5 +288,5 @@ fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToke
 #[pg_extern(stable, strict, parallel_restricted)]
 fn safe_to_delete(stream: &str) -> Option<MultiWriterToken> {
     forward_stream(stream);
-    lowest_position(stream).map(MultiWriterToken)
+    meet_of(sql::consumer_positions(stream)).map(MultiWriterToken)
 }
