@@ -153,6 +153,17 @@ CREATE TABLE streampos.consumer_positions (
 );
 SELECT pg_catalog.pg_extension_config_dump('streampos.consumer_positions', '');
 GRANT SELECT ON streampos.consumer_positions TO PUBLIC;
+-- What consumers that have gone had acknowledged, per stream: a retention
+-- job may have deleted up to it, so no consumer registers below it.
+CREATE TABLE streampos.consumer_floors (
+    stream_name text PRIMARY KEY REFERENCES streampos.streams ON DELETE CASCADE ON UPDATE CASCADE,
+    position streampos.multi_writer_token NOT NULL
+);
+SELECT pg_catalog.pg_extension_config_dump('streampos.consumer_floors', '');
+GRANT SELECT ON streampos.consumer_floors TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.consumer_floors
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.consumer_floors ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.consumer_positions
     FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
 ALTER TABLE streampos.consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
@@ -248,6 +259,8 @@ COMMENT ON FUNCTION streampos.updates(text, streampos.multi_writer_token, intege
     'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
 COMMENT ON TABLE streampos.consumer_positions IS
     'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
+COMMENT ON TABLE streampos.consumer_floors IS
+    'Per stream: what consumers that have gone had acknowledged; no consumer registers below it';
 COMMENT ON VIEW streampos.consumers IS
     'Per consumer: its position, how far behind the stream it is, and since when it has not acknowledged';
 COMMENT ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) IS

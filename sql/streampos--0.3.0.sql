@@ -1224,6 +1224,17 @@ CREATE TABLE consumer_positions (
 );
 SELECT pg_catalog.pg_extension_config_dump('consumer_positions', '');
 GRANT SELECT ON consumer_positions TO PUBLIC;
+-- What consumers that have gone had acknowledged, per stream: a retention
+-- job may have deleted up to it, so no consumer registers below it.
+CREATE TABLE consumer_floors (
+    stream_name text PRIMARY KEY REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
+    position multi_writer_token NOT NULL
+);
+SELECT pg_catalog.pg_extension_config_dump('consumer_floors', '');
+GRANT SELECT ON consumer_floors TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON consumer_floors
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE consumer_floors ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON consumer_positions
     FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
 ALTER TABLE consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
@@ -1347,6 +1358,8 @@ COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer, text) IS
     'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
 COMMENT ON TABLE consumer_positions IS
     'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
+COMMENT ON TABLE consumer_floors IS
+    'Per stream: what consumers that have gone had acknowledged; no consumer registers below it';
 COMMENT ON VIEW consumers IS
     'Per consumer: its position, how far behind the stream it is, and since when it has not acknowledged';
 COMMENT ON FUNCTION register_consumer(text, text, multi_writer_token) IS

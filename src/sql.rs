@@ -2098,20 +2098,25 @@ pub fn advance_consumer(
     consumer: &str,
     token: &str,
 ) -> Option<(pg_sys::Oid, String)> {
+    consumer_write(
+        "UPDATE streampos.consumer_positions c \
+         SET position = streampos.advance(c.position, \
+               $3::pg_catalog.text::streampos.multi_writer_token), \
+             acked_at = pg_catalog.now() \
+         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+         RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
+        &[stream.into(), consumer.into(), token.into()],
+    )
+}
+
+/// A write of one consumer's row as the extension's owner, returning the
+/// row's (owner, position text); None if there was no row.
+fn consumer_write(query: &str, args: &[DatumWithOid]) -> Option<(pg_sys::Oid, String)> {
     as_owner(|| {
         with_safe_path(|| {
             spi(Spi::connect_mut(|client| {
-                let table = client.update(
-                    "UPDATE streampos.consumer_positions c \
-                     SET position = streampos.advance(c.position, \
-                           $3::pg_catalog.text::streampos.multi_writer_token), \
-                         acked_at = pg_catalog.now() \
-                     WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
-                       AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
-                     RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
-                    Some(1),
-                    &[stream.into(), consumer.into(), token.into()],
-                )?;
+                let table = client.update(query, Some(1), args)?;
                 if table.is_empty() {
                     return Ok(None);
                 }
@@ -2122,18 +2127,16 @@ pub fn advance_consumer(
     })
 }
 
-/// Forget a consumer; the owner of the row deleted (the caller checks it),
-/// None if there was none.
-pub fn delete_consumer(stream: &str, consumer: &str) -> Option<pg_sys::Oid> {
-    as_owner(|| {
-        update_one::<pg_sys::Oid>(
-            "DELETE FROM streampos.consumer_positions c \
-             WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
-               AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
-             RETURNING c.owner::pg_catalog.oid",
-            &[stream.into(), consumer.into()],
-        )
-    })
+/// Forget a consumer; the owner (the caller checks it) and position of the
+/// row deleted, None if there was none.
+pub fn delete_consumer(stream: &str, consumer: &str) -> Option<(pg_sys::Oid, String)> {
+    consumer_write(
+        "DELETE FROM streampos.consumer_positions c \
+         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+         RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
+        &[stream.into(), consumer.into()],
+    )
 }
 
 /// Forget every consumer of the stream (`drop_stream`, before it holds the
@@ -2151,29 +2154,38 @@ pub fn delete_consumers(stream: &str) {
     });
 }
 
-/// Every consumer's position (token text) on the stream as last committed,
-/// each row locked FOR SHARE until the caller's transaction ends (under
-/// REPEATABLE READ a position changed since the transaction's snapshot is
-/// a serialization failure, 40001, rather than an old value).
-pub fn consumer_positions_locked(stream: &str) -> Vec<String> {
+/// Every consumer's position (token text) on the stream, and the stream's
+/// consumer floor, as last committed (the latest snapshot, whatever the
+/// caller's isolation: a REPEATABLE READ transaction's snapshot may
+/// predate positions a retention job has acted on).
+pub fn consumer_state_latest(stream: &str) -> (Vec<String>, Option<String>) {
+    // SAFETY: the pushed snapshot is popped afterwards, or by the
+    // transaction's abort on ERROR.
+    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
+    let positions = consumer_positions(stream);
+    let floor = select_one::<String>(
+        "SELECT f.position::pg_catalog.text FROM streampos.consumer_floors f \
+         WHERE f.stream_name OPERATOR(pg_catalog.=) $1",
+        &[stream.into()],
+    );
+    // SAFETY: pops the snapshot pushed above.
+    unsafe { pg_sys::PopActiveSnapshot() };
+    (positions, floor)
+}
+
+/// Raise the stream's consumer floor to at least `token` (token text): what
+/// a retention job may have deleted up to while consumers that have gone
+/// were registered. Never lowered.
+pub fn raise_consumer_floor(stream: &str, token: &str) {
     as_owner(|| {
-        with_safe_path(|| {
-            spi(Spi::connect_mut(|client| {
-                let mut out = Vec::new();
-                for r in client.update(
-                    "SELECT c.position::pg_catalog.text FROM streampos.consumer_positions c \
-                     WHERE c.stream_name OPERATOR(pg_catalog.=) $1 FOR SHARE",
-                    None,
-                    &[stream.into()],
-                )? {
-                    if let Some(v) = r.get::<String>(1)? {
-                        out.push(v);
-                    }
-                }
-                Ok(out)
-            }))
-        })
-    })
+        run(
+            "INSERT INTO streampos.consumer_floors AS f (stream_name, position) \
+             VALUES ($1, $2::pg_catalog.text::streampos.multi_writer_token) \
+             ON CONFLICT (stream_name) DO UPDATE \
+             SET position = streampos.advance(f.position, EXCLUDED.position)",
+            &[stream.into(), token.into()],
+        )
+    });
 }
 
 /// Every consumer's position (token text) on the stream, as the caller's

@@ -153,9 +153,13 @@ fn register_consumer(
     if let Some(existing) = sql::consumer(stream, consumer) {
         return Some(existing_position(stream, consumer, existing));
     }
-    // What every other consumer has acknowledged, as last committed: rows
-    // up to it may be deleted by now.
-    let others = meet_of(sql::consumer_positions_locked(stream));
+    // What every other consumer has acknowledged, and what consumers that
+    // have gone had, as last committed: rows up to it may be deleted by now.
+    let (positions, floor) = sql::consumer_state_latest(stream);
+    let others = match (meet_of(positions), floor.map(|f| parse_stored(&f))) {
+        (Some(m), Some(f)) => Some(m.advance(&f).or_raise()),
+        (m, f) => m.or(f),
+    };
     let position = match since {
         Some(since) => {
             refuse_negative(&since.0);
@@ -248,13 +252,18 @@ fn unregister_consumer(stream: &str, consumer: &str) -> bool {
         Some(row) => check_owner(stream, consumer, row.owner),
     }
     sql::lock_consumers(meta.key, false);
-    match sql::delete_consumer(stream, consumer) {
-        Some(owner) => {
-            check_owner(stream, consumer, owner);
-            true
-        }
-        None => false,
-    }
+    let Some((owner, gone_position)) = sql::delete_consumer(stream, consumer) else {
+        return false;
+    };
+    check_owner(stream, consumer, owner);
+    // A retention job may have read safe_to_delete with this consumer or
+    // without it: what the others have acknowledged, or this one's
+    // position when no other is left (as this transaction sees them).
+    // Registrations never start below it, even once none is left.
+    let (positions, _) = sql::consumer_state_latest(stream);
+    let floor = meet_of(positions).unwrap_or_else(|| parse_stored(&gone_position));
+    sql::raise_consumer_floor(stream, &floor.to_text(TokenKind::MultiWriter));
+    true
 }
 
 /// Acknowledge every row up to `token`, in the caller's transaction: the

@@ -357,6 +357,51 @@ def test_a_registration_in_progress_holds_every_position_of_the_stream(connect, 
     assert ack(old, stream, "old", "4") == "4"
 
 
+def test_a_repeatable_read_registration_starts_no_lower_than_the_others_as_last_committed(connect, stream):
+    """A REPEATABLE READ transaction's snapshot may predate another
+    consumer's registration and acknowledgement, and a retention job's
+    deletion below them: the registration reads the others as last
+    committed, not as its snapshot shows them."""
+    db, late, other = connect(), connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert one(late, "SELECT streampos.current_token(%s)::text", (stream,)) == "2"
+    register(other, stream, "first")
+    write(db, stream, "w1", 3)  # 3..5
+    ack(other, stream, "first", "5")
+    db.execute(f"DELETE FROM {stream}_ev WHERE id <= 5")  # what retention may do now
+    expect_error(late, "SELECT streampos.register_consumer(%s, 'late', '3')", (stream,), sqlstate="22023")
+    late.execute("ROLLBACK")
+    late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    late.execute("SELECT 1")
+    write(db, stream, "w1")  # 6
+    ack(other, stream, "first", "6")
+    assert register(late, stream, "late") == "6", "the default starts at what the others acknowledged"
+    late.execute("COMMIT")
+
+
+def test_registrations_never_start_below_what_consumers_that_went_had(connect, stream):
+    """A retention job whose snapshot still shows a consumer that has since
+    gone may delete up to its position: a consumer registered after it
+    starts no lower, even with no consumer left."""
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 8)
+    register(db, stream, "a", "0")
+    register(db, stream, "b", "0")
+    ack(db, stream, "a", "8")
+    ack(db, stream, "b", "6")
+    db.execute("SELECT streampos.unregister_consumer(%s, 'b')", (stream,))
+    # A retention job may have seen a alone (8), or a and b (6).
+    assert one(db, "SELECT position::text FROM streampos.consumer_floors WHERE stream_name = %s", (stream,)) == "8"
+    db.execute("SELECT streampos.unregister_consumer(%s, 'a')", (stream,))
+    assert one(db, "SELECT streampos.safe_to_delete(%s)", (stream,)) is None
+    err = expect_error(db, "SELECT streampos.register_consumer(%s, 'c', '7')", (stream,), sqlstate="22023")
+    assert "safe_to_delete() = 8" in err.diag.message_detail
+    assert register(db, stream, "c", "8") == "8"
+
+
 def test_drop_stream_waits_a_bounded_time_for_a_consumers_transaction(connect, stream):
     """An acknowledgement left open holds its row: drop_stream waits for it
     no longer than lock_timeout (5 s at most), and before it holds the

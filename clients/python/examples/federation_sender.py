@@ -5,8 +5,9 @@ crash with no event lost or sent twice.
     python federation_sender.py --dsn "dbname=synapse" --stream events \\
         --consumer federation_sender --outbox federation_outbox
 
-It registers itself once (``streampos.register_consumer``; a restart keeps
-the acknowledged position) and then loops: ``Consumer.batch()`` reads the
+It registers itself once (``streampos.register_consumer``, at the current
+token or ``--since``; a restart keeps the acknowledged position) and then
+loops: ``Consumer.batch()`` reads the
 events after its position, the block queues each one in the outbox table
 (stream_ordering, instance_name) and the batch's token is acknowledged in
 the same transaction. Kill it with ``kill -9`` at any moment and start it
@@ -44,7 +45,7 @@ def main(args):
         consumer = streampos.Consumer(
             conn, args.stream, args.consumer, max_rows=args.max_rows, timeout_ms=args.timeout_ms
         )
-        consumer.register(since="0")
+        consumer.register(since=args.since)
         while not stopping:
             with consumer.batch() as batch:
                 for table in batch.tables.values():
@@ -60,6 +61,7 @@ if __name__ == "__main__":
     parser.add_argument("--stream", default="events")
     parser.add_argument("--consumer", default="federation_sender")
     parser.add_argument("--outbox", default="federation_outbox")
+    parser.add_argument("--since", help="where a first start begins (default: the current token)")
     parser.add_argument("--max-rows", type=int, default=20)
     parser.add_argument("--timeout-ms", type=int, default=500)
     raise SystemExit(main(parser.parse_args()))

@@ -67,6 +67,9 @@ def test_federation_sender_survives_sigkill(db, stream):
     outbox = f"{stream}_outbox"
     db.execute(f"CREATE TABLE {outbox} (stream_ordering bigint, instance_name text)")
     dsn = conninfo()
+    # From the first event on: registered before anything is written (the
+    # example registers at the current token on its first start).
+    db.execute("SELECT streampos.register_consumer(%s, 'sender', '0')", (stream,))
     sender_args = ("federation_sender.py", "--dsn", dsn, "--stream", stream, "--consumer", "sender",
                    "--outbox", outbox, "--max-rows", "7", "--timeout-ms", "200")
     persisters = [
