@@ -2154,23 +2154,101 @@ pub fn delete_consumers(stream: &str) {
     });
 }
 
-/// Every consumer's position (token text) on the stream, and the stream's
-/// consumer floor, as last committed (the latest snapshot, whatever the
-/// caller's isolation: a REPEATABLE READ transaction's snapshot may
-/// predate positions a retention job has acted on).
-pub fn consumer_state_latest(stream: &str) -> (Vec<String>, Option<String>) {
-    // SAFETY: the pushed snapshot is popped afterwards, or by the
-    // transaction's abort on ERROR.
-    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetLatestSnapshot()) };
-    let positions = consumer_positions(stream);
-    let floor = select_one::<String>(
-        "SELECT f.position::pg_catalog.text FROM streampos.consumer_floors f \
-         WHERE f.stream_name OPERATOR(pg_catalog.=) $1",
-        &[stream.into()],
-    );
-    // SAFETY: pops the snapshot pushed above.
-    unsafe { pg_sys::PopActiveSnapshot() };
-    (positions, floor)
+/// A stream's consumers and floor as last committed: the latest snapshot,
+/// whatever the caller's isolation (a REPEATABLE READ transaction's
+/// snapshot may predate positions a retention job has acted on).
+pub struct ConsumerState {
+    /// The named consumer's own row, if registered.
+    pub own: Option<ConsumerRow>,
+    /// Every other consumer's position (token text).
+    pub others: Vec<String>,
+    /// What consumers that have gone had acknowledged (token text).
+    pub floor: Option<String>,
+}
+
+/// `ConsumerState` of `consumer` on `stream`, read with the latest
+/// snapshot through `SPI_execute_snapshot` (an ordinary SPI query of a
+/// transaction that has an xid reads with its own snapshot, whatever
+/// snapshot is active).
+pub fn consumer_state_latest(stream: &str, consumer: &str) -> ConsumerState {
+    const QUERY: &CStr = c"SELECT 0, c.owner::pg_catalog.oid, c.position::pg_catalog.text \
+        FROM streampos.consumer_positions c \
+        WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+          AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+        UNION ALL \
+        SELECT 1, c.owner::pg_catalog.oid, c.position::pg_catalog.text \
+        FROM streampos.consumer_positions c \
+        WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+          AND c.consumer_name OPERATOR(pg_catalog.<>) $2 \
+        UNION ALL \
+        SELECT 2, 0::pg_catalog.oid, f.position::pg_catalog.text \
+        FROM streampos.consumer_floors f WHERE f.stream_name OPERATOR(pg_catalog.=) $1";
+    let mut state = ConsumerState {
+        own: None,
+        others: Vec::new(),
+        floor: None,
+    };
+    with_safe_path(|| {
+        spi(Spi::connect(|_client| -> SpiResult<()> {
+            let (Some(s), Some(c)) = (stream.into_datum(), consumer.into_datum()) else {
+                return Ok(());
+            };
+            // SAFETY: SPI is connected for the closure; the plan is freed
+            // before returning (or with the SPI context on ERROR); the
+            // result's tuples and descriptor are valid until SPI finishes,
+            // and every value is copied out (owned Rust values) before.
+            unsafe {
+                let mut types = [pg_sys::TEXTOID, pg_sys::TEXTOID];
+                let plan = pg_sys::SPI_prepare(QUERY.as_ptr(), 2, types.as_mut_ptr());
+                if plan.is_null() {
+                    return Err(pgrx::spi::SpiError::SpiError(
+                        pgrx::spi::SpiErrorCodes::Unconnected,
+                    ));
+                }
+                let mut values = [s, c];
+                let nulls = [b' ' as std::ffi::c_char; 2];
+                let status = pg_sys::SPI_execute_snapshot(
+                    plan,
+                    values.as_mut_ptr(),
+                    nulls.as_ptr(),
+                    pg_sys::GetLatestSnapshot(),
+                    std::ptr::null_mut(),
+                    true,
+                    false,
+                    0,
+                );
+                let table = pg_sys::SPI_tuptable;
+                if status == pg_sys::SPI_OK_SELECT as i32 && !table.is_null() {
+                    let desc = (*table).tupdesc;
+                    for k in 0..pg_sys::SPI_processed as usize {
+                        let tuple = *(*table).vals.add(k);
+                        let mut null = false;
+                        let kind =
+                            i32::from_datum(pg_sys::SPI_getbinval(tuple, desc, 1, &mut null), null);
+                        let owner = pg_sys::Oid::from_datum(
+                            pg_sys::SPI_getbinval(tuple, desc, 2, &mut null),
+                            null,
+                        );
+                        let position = String::from_datum(
+                            pg_sys::SPI_getbinval(tuple, desc, 3, &mut null),
+                            null,
+                        );
+                        match (kind, owner, position) {
+                            (Some(0), Some(owner), Some(position)) => {
+                                state.own = Some(ConsumerRow { owner, position })
+                            }
+                            (Some(1), _, Some(position)) => state.others.push(position),
+                            (Some(2), _, Some(position)) => state.floor = Some(position),
+                            _ => {}
+                        }
+                    }
+                }
+                pg_sys::SPI_freeplan(plan);
+                Ok(())
+            }
+        }))
+    });
+    state
 }
 
 /// Raise the stream's consumer floor to at least `token` (token text): what

@@ -134,7 +134,9 @@ fn register_consumer(
     // cannot read).
     sql::check_may_follow(&catalog::stream_tables(stream));
     // A consumer starting again finds its registration without waiting.
-    if let Some(existing) = sql::consumer(stream, consumer) {
+    // (Every read here is as last committed: a REPEATABLE READ snapshot
+    // may predate registrations, acknowledgements and unregistrations.)
+    if let Some(existing) = sql::consumer_state_latest(stream, consumer).own {
         return Some(existing_position(stream, consumer, existing));
     }
     // Until this transaction ends, no other consumer of the stream is
@@ -150,13 +152,13 @@ fn register_consumer(
         }
         .report();
     }
-    if let Some(existing) = sql::consumer(stream, consumer) {
+    let state = sql::consumer_state_latest(stream, consumer);
+    if let Some(existing) = state.own {
         return Some(existing_position(stream, consumer, existing));
     }
     // What every other consumer has acknowledged, and what consumers that
-    // have gone had, as last committed: rows up to it may be deleted by now.
-    let (positions, floor) = sql::consumer_state_latest(stream);
-    let others = match (meet_of(positions), floor.map(|f| parse_stored(&f))) {
+    // have gone had: rows up to it may be deleted by now.
+    let others = match (meet_of(state.others), state.floor.map(|f| parse_stored(&f))) {
         (Some(m), Some(f)) => Some(m.advance(&f).or_raise()),
         (m, f) => m.or(f),
     };
@@ -260,8 +262,8 @@ fn unregister_consumer(stream: &str, consumer: &str) -> bool {
     // without it: what the others have acknowledged, or this one's
     // position when no other is left (as this transaction sees them).
     // Registrations never start below it, even once none is left.
-    let (positions, _) = sql::consumer_state_latest(stream);
-    let floor = meet_of(positions).unwrap_or_else(|| parse_stored(&gone_position));
+    let others = sql::consumer_state_latest(stream, consumer).others;
+    let floor = meet_of(others).unwrap_or_else(|| parse_stored(&gone_position));
     sql::raise_consumer_floor(stream, &floor.to_text(TokenKind::MultiWriter));
     true
 }

@@ -379,6 +379,25 @@ def test_a_repeatable_read_registration_starts_no_lower_than_the_others_as_last_
     ack(other, stream, "first", "6")
     assert register(late, stream, "late") == "6", "the default starts at what the others acknowledged"
     late.execute("COMMIT")
+    # A transaction that has written (an xid) still reads the others as
+    # last committed (an ordinary SPI query would read with the
+    # transaction's snapshot).
+    db.execute(f"CREATE TABLE {stream}_scratch (k int)")
+    late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    late.execute(f"INSERT INTO {stream}_scratch VALUES (1)")
+    write(db, stream, "w1")  # 7
+    ack(other, stream, "first", "7")
+    ack(db, stream, "late", "7")
+    assert register(late, stream, "later") == "7"
+    late.execute("COMMIT")
+    # A consumer unregistered after the snapshot is not reported as there.
+    late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    late.execute("SELECT 1")
+    other.execute("SELECT streampos.unregister_consumer(%s, 'first')", (stream,))
+    assert register(late, stream, "first") == "7"
+    late.execute("COMMIT")
+    assert one(db, "SELECT count(*) FROM streampos.consumers WHERE stream_name = %s AND consumer_name = 'first'",
+               (stream,)) == 1
 
 
 def test_registrations_never_start_below_what_consumers_that_went_had(connect, stream):
