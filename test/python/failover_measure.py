@@ -122,6 +122,7 @@ class Figures:
     wait_for_target: int | None = None
     standby_reads: str | None = None
     wait_for_reached: int | None = None
+    wait_for_sqlstate: str | None = None
 
     def summary(self):
         def n(xs):
@@ -464,6 +465,7 @@ class FailoverRun:
                 fig.wait_for_reached = f
                 fig.wait_for_after_failover = f"wait_for({highest}) returned {f} after {took:.0f} ms"
             except psycopg.Error as e:
+                fig.wait_for_sqlstate = e.sqlstate
                 fig.wait_for_after_failover = f"wait_for({highest}): ERROR {e.sqlstate}: {e.diag.message_primary}"
 
     def _figures(self, fig, node):
