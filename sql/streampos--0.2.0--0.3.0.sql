@@ -167,15 +167,38 @@ ALTER TABLE streampos.consumer_floors ENABLE ALWAYS TRIGGER catalog_rows_stay_lo
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.consumer_positions
     FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
 ALTER TABLE streampos.consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+-- When the stream's current token passed what, marked by the position
+-- worker while the stream has consumers: their lag in time.
+CREATE TABLE streampos.frontier_marks (
+    stream_name text NOT NULL REFERENCES streampos.streams ON DELETE CASCADE ON UPDATE CASCADE,
+    marked_at timestamptz NOT NULL,
+    position streampos.multi_writer_token NOT NULL,
+    PRIMARY KEY (stream_name, marked_at)
+);
+SELECT pg_catalog.pg_extension_config_dump('streampos.frontier_marks', '');
+GRANT SELECT ON streampos.frontier_marks TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.frontier_marks
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.frontier_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 CREATE VIEW streampos.consumers AS
 SELECT c.stream_name, c.consumer_name, c.owner, c.position,
-       GREATEST(0,
-           max_stream_pos(current_token(c.stream_name)) OPERATOR(pg_catalog.-) stream_pos(c.position))
-           AS lag_ids,
+       CASE WHEN streampos.is_before_or_eq(t.current, c.position) THEN 0
+            ELSE GREATEST(0,
+                streampos.max_stream_pos(t.current) OPERATOR(pg_catalog.-) streampos.stream_pos(c.position))
+       END AS lag_ids,
+       CASE WHEN streampos.is_before_or_eq(t.current, c.position) THEN interval '0'
+            ELSE COALESCE(pg_catalog.now() OPERATOR(pg_catalog.-)
+                    (SELECT m.marked_at FROM streampos.frontier_marks m
+                     WHERE m.stream_name OPERATOR(pg_catalog.=) c.stream_name
+                       AND NOT streampos.is_before_or_eq(m.position, c.position)
+                     ORDER BY m.marked_at LIMIT 1),
+                 interval '0')
+       END AS lag_time,
        c.registered_at, c.acked_at,
        pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at)
            AS since_ack
-FROM streampos.consumer_positions c;
+FROM streampos.consumer_positions c,
+     LATERAL (SELECT streampos.current_token(c.stream_name) AS current) t;
 GRANT SELECT ON streampos.consumers TO PUBLIC;
 
 CREATE FUNCTION streampos."register_consumer"(
@@ -207,6 +230,14 @@ CREATE FUNCTION streampos."safe_to_delete"(
 STRICT STABLE PARALLEL RESTRICTED
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'safe_to_delete_wrapper';
+CREATE FUNCTION streampos."wait_for_consumer"(
+	"stream" TEXT,
+	"consumer" TEXT,
+	"timeout_ms" INT
+) RETURNS streampos.multi_writer_token
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'wait_for_consumer_wrapper';
 REVOKE EXECUTE ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION streampos.unregister_consumer(text, text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION streampos.ack(text, text, streampos.multi_writer_token) FROM PUBLIC;
@@ -261,6 +292,8 @@ COMMENT ON TABLE streampos.consumer_positions IS
     'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
 COMMENT ON TABLE streampos.consumer_floors IS
     'Per stream: what consumers that have gone had acknowledged; no consumer registers below it';
+COMMENT ON TABLE streampos.frontier_marks IS
+    'When each stream''s current token passed what, marked by the position worker while the stream has consumers: their lag in time';
 COMMENT ON VIEW streampos.consumers IS
     'Per consumer: its position, how far behind the stream it is, and since when it has not acknowledged';
 COMMENT ON FUNCTION streampos.register_consumer(text, text, streampos.multi_writer_token) IS
@@ -270,3 +303,5 @@ COMMENT ON FUNCTION streampos.ack(text, text, streampos.multi_writer_token) IS
     'Acknowledge every row up to token, with this transaction; never backwards, never past the frontier';
 COMMENT ON FUNCTION streampos.safe_to_delete(text) IS
     'The position up to which every consumer of the stream has acknowledged every row (NULL: no consumers)';
+COMMENT ON FUNCTION streampos.wait_for_consumer(text, text, integer) IS
+    'Sleep until the stream moves past the consumer''s acknowledged position or the timeout passes; returns the current token';

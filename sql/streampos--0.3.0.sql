@@ -939,6 +939,17 @@ AS 'MODULE_PATHNAME', 'wait_for_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+CREATE  FUNCTION "wait_for_consumer"(
+	"stream" TEXT,
+	"consumer" TEXT,
+	"timeout_ms" INT
+) RETURNS multi_writer_token
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'wait_for_consumer_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "writer_position"(
 	"stream" TEXT,
 	"writer" TEXT
@@ -1239,18 +1250,48 @@ CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON cons
     FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
 ALTER TABLE consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
--- Per consumer: how far behind the stream's newest finished ID its lowest
--- writer position is (for the reader's snapshot), and since when it has
--- not acknowledged.
+-- When the stream's current token passed what: marked by the position
+-- worker at most once a second while the stream has consumers, and kept
+-- while some consumer has not acknowledged what a mark shows (thinned to
+-- one a minute past an hour's age, one an hour past a day's), so that a
+-- consumer's lag can be told in time.
+CREATE TABLE frontier_marks (
+    stream_name text NOT NULL REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
+    marked_at timestamptz NOT NULL,
+    position multi_writer_token NOT NULL,
+    PRIMARY KEY (stream_name, marked_at)
+);
+SELECT pg_catalog.pg_extension_config_dump('frontier_marks', '');
+GRANT SELECT ON frontier_marks TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON frontier_marks
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE frontier_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+
+-- Per consumer, for the reader's snapshot: how far behind the stream's
+-- current token it is, in IDs (its lowest position against the newest
+-- finished ID; 0 when it has acknowledged the whole token) and in time
+-- (since the first mark the consumer has not acknowledged: when rows it
+-- has not acknowledged became readable, to within the marks' resolution),
+-- and since when it has not acknowledged.
 CREATE VIEW consumers AS
 SELECT c.stream_name, c.consumer_name, c.owner, c.position,
-       GREATEST(0,
-           max_stream_pos(current_token(c.stream_name)) OPERATOR(pg_catalog.-) stream_pos(c.position))
-           AS lag_ids,
+       CASE WHEN is_before_or_eq(t.current, c.position) THEN 0
+            ELSE GREATEST(0,
+                max_stream_pos(t.current) OPERATOR(pg_catalog.-) stream_pos(c.position))
+       END AS lag_ids,
+       CASE WHEN is_before_or_eq(t.current, c.position) THEN interval '0'
+            ELSE COALESCE(pg_catalog.now() OPERATOR(pg_catalog.-)
+                    (SELECT m.marked_at FROM frontier_marks m
+                     WHERE m.stream_name OPERATOR(pg_catalog.=) c.stream_name
+                       AND NOT is_before_or_eq(m.position, c.position)
+                     ORDER BY m.marked_at LIMIT 1),
+                 interval '0')
+       END AS lag_time,
        c.registered_at, c.acked_at,
        pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at)
            AS since_ack
-FROM consumer_positions c;
+FROM consumer_positions c,
+     LATERAL (SELECT current_token(c.stream_name) AS current) t;
 GRANT SELECT ON consumers TO PUBLIC;
 
 -- Privileges. Reading functions and token functions are for every role
@@ -1354,12 +1395,16 @@ COMMENT ON FUNCTION adopt_synapse(name) IS
     'Register every stream of the Synapse database in schema, with its sequence, tables, instance ids and positions';
 COMMENT ON FUNCTION wait_for(text, bigint, integer) IS
     'Sleep until the frontier reaches stream_id or the timeout passes; returns the frontier';
+COMMENT ON FUNCTION wait_for_consumer(text, text, integer) IS
+    'Sleep until the stream moves past the consumer''s acknowledged position or the timeout passes; returns the current token';
 COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer, text) IS
     'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
 COMMENT ON TABLE consumer_positions IS
     'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
 COMMENT ON TABLE consumer_floors IS
     'Per stream: what consumers that have gone had acknowledged; no consumer registers below it';
+COMMENT ON TABLE frontier_marks IS
+    'When each stream''s current token passed what, marked by the position worker while the stream has consumers: their lag in time';
 COMMENT ON VIEW consumers IS
     'Per consumer: its position, how far behind the stream it is, and since when it has not acknowledged';
 COMMENT ON FUNCTION register_consumer(text, text, multi_writer_token) IS

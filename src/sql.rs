@@ -1704,7 +1704,8 @@ pub fn extension_present() -> bool {
 /// locked at its start in this order, each only if granted at once
 /// (`ConditionalLockRelationOid`, the lock `LOCK TABLE … NOWAIT` takes):
 /// `streams` ROW SHARE (its rows are share-locked), `instances` ACCESS
-/// SHARE, `stream_positions` and `stream_frontiers` ROW EXCLUSIVE. None
+/// SHARE, `stream_positions`, `stream_frontiers` and `frontier_marks` ROW
+/// EXCLUSIVE. None
 /// when one is not granted (an operator's command holds or waits for it:
 /// the pass is put off) or is gone (the extension is being dropped). The
 /// worker then never waits for an operator's command while holding a lock
@@ -1713,14 +1714,17 @@ pub struct PassTables {
     /// `stream_frontiers` exists (a database not yet updated from 0.2.0
     /// has none).
     pub frontiers: bool,
+    /// `frontier_marks` (and consumers) exist: 0.3.0's catalog.
+    pub marks: bool,
 }
 
 pub fn lock_for_pass() -> Option<PassTables> {
-    const TABLES: [(&CStr, u32, bool); 4] = [
+    const TABLES: [(&CStr, u32, bool); 5] = [
         (c"streams", pg_sys::RowShareLock, true),
         (c"instances", pg_sys::AccessShareLock, true),
         (c"stream_positions", pg_sys::RowExclusiveLock, true),
         (c"stream_frontiers", pg_sys::RowExclusiveLock, false),
+        (c"frontier_marks", pg_sys::RowExclusiveLock, false),
     ];
     // SAFETY: catalog lookups that return InvalidOid for what does not
     // exist; a conditional lock raises no error (it returns false); the
@@ -1730,8 +1734,8 @@ pub fn lock_for_pass() -> Option<PassTables> {
         if nsp == pg_sys::InvalidOid {
             return None;
         }
-        let mut frontiers = false;
-        for (name, mode, required) in TABLES {
+        let mut present = [false; TABLES.len()];
+        for (k, (name, mode, required)) in TABLES.into_iter().enumerate() {
             let oid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
             if oid == pg_sys::InvalidOid {
                 if required {
@@ -1747,9 +1751,12 @@ pub fn lock_for_pass() -> Option<PassTables> {
             if pg_sys::get_rel_name(oid).is_null() {
                 return None;
             }
-            frontiers |= !required;
+            present[k] = true;
         }
-        Some(PassTables { frontiers })
+        Some(PassTables {
+            frontiers: present[3],
+            marks: present[4],
+        })
     }
 }
 
@@ -1796,6 +1803,49 @@ pub fn store_positions(stream: &str, frontier: bool) -> bool {
         &[stream.into()],
     );
     true
+}
+
+/// Mark the stream's current token `token` (as the position worker's pass
+/// computed it) as passed now, if the stream has consumers (their lag in
+/// time, the view `consumers`); and let go of marks no consumer needs:
+/// every mark once the stream has no consumers, marks every consumer has
+/// acknowledged, and, past an hour's age, all but the latest mark of each
+/// minute (past a day's, of each hour). A consumer's lag is counted from
+/// its first mark not acknowledged; keeping the latest of a bucket keeps
+/// that an underestimate by less than the bucket. Run by the position
+/// worker, `frontier_marks` locked (`lock_for_pass`).
+pub fn mark_frontier(stream: &str, token: &str) {
+    run(
+        "WITH marked AS ( \
+           INSERT INTO streampos.frontier_marks (stream_name, marked_at, position) \
+           SELECT $1, pg_catalog.clock_timestamp(), \
+                  $2::pg_catalog.text::streampos.multi_writer_token \
+           WHERE EXISTS (SELECT FROM streampos.consumer_positions c \
+                         WHERE c.stream_name OPERATOR(pg_catalog.=) $1) \
+           ON CONFLICT DO NOTHING) \
+         DELETE FROM streampos.frontier_marks m \
+         USING (SELECT streampos.safe_to_delete(s.stream_name) AS safe \
+                FROM streampos.streams s \
+                WHERE s.stream_name OPERATOR(pg_catalog.=) $1) k \
+         WHERE m.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND (k.safe IS NULL \
+                OR streampos.is_before_or_eq(m.position, k.safe) \
+                OR EXISTS ( \
+                  SELECT FROM (SELECT CASE \
+                      WHEN m.marked_at OPERATOR(pg_catalog.<) \
+                           (pg_catalog.now() OPERATOR(pg_catalog.-) '1 day'::pg_catalog.interval) \
+                        THEN 'hour' \
+                      WHEN m.marked_at OPERATOR(pg_catalog.<) \
+                           (pg_catalog.now() OPERATOR(pg_catalog.-) '1 hour'::pg_catalog.interval) \
+                        THEN 'minute' END AS unit) b, \
+                    streampos.frontier_marks n \
+                  WHERE n.stream_name OPERATOR(pg_catalog.=) m.stream_name \
+                    AND n.marked_at OPERATOR(pg_catalog.>) m.marked_at \
+                    AND n.marked_at OPERATOR(pg_catalog.<) \
+                        (pg_catalog.date_trunc(b.unit, m.marked_at) OPERATOR(pg_catalog.+) \
+                         ('1 ' OPERATOR(pg_catalog.||) b.unit)::pg_catalog.interval)))",
+        &[stream.into(), token.into()],
+    );
 }
 
 /// Longest token a notification carries: NOTIFY payloads must stay under

@@ -184,6 +184,8 @@ const IDLE_EXIT_MS: u64 = 2000;
 struct WorkerState {
     /// The token last stored per stream key.
     written: HashMap<i32, String>,
+    /// The token last marked per stream key (`frontier_marks`), and when.
+    marked: HashMap<i32, (String, Instant)>,
     orphans: Orphans,
     /// Per stream key: the frontier last seen, and since when it is held
     /// back (0: it is not).
@@ -200,6 +202,7 @@ impl WorkerState {
     fn new() -> WorkerState {
         WorkerState {
             written: HashMap::new(),
+            marked: HashMap::new(),
             orphans: Orphans::default(),
             tracks: HashMap::new(),
             held_back: held_back::Warned::default(),
@@ -408,16 +411,22 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
             if stored.is_some() {
                 let what = format!("notifying the positions of stream \"{name}\"");
                 in_subtransaction(&what, || sql::notify_positions(&name));
-                state.written.insert(key, token);
+                state.written.insert(key, token.clone());
                 mark.stored = true;
             } else {
                 mark.current = false;
             }
         }
+        if tables.marks && !meta.backwards {
+            mark_frontier(&mut state.marked, key, &meta.name, &token);
+        }
         marks.push(mark);
     }
     state
         .tracks
+        .retain(|key, _| seen.iter().any(|s| s.key == *key));
+    state
+        .marked
         .retain(|key, _| seen.iter().any(|s| s.key == *key));
     if !state.held_back.is_empty() {
         quiet = false;
@@ -425,4 +434,30 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
     held_back::check(db, &seen, &mut state.held_back, now);
     registry::stats::record_pass(db, &marks, now);
     Pass::Done { quiet }
+}
+
+/// Marks are this far apart at least: a consumer's lag in time is told to
+/// within it (and a busy stream adds at most one row a second).
+const MARK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Mark the stream's current token in `frontier_marks` (for its consumers'
+/// lag in time) when it moved since the last mark, at most once a
+/// `MARK_INTERVAL`.
+fn mark_frontier(marked: &mut HashMap<i32, (String, Instant)>, key: i32, name: &str, token: &str) {
+    if marked
+        .get(&key)
+        .is_some_and(|(t, at)| t == token || at.elapsed() < MARK_INTERVAL)
+    {
+        return;
+    }
+    let what = format!("marking the frontier of stream \"{name}\"");
+    // A mark that failed is tried again after the interval, not at every
+    // pass (nor logged at every pass).
+    let done = in_subtransaction(&what, || sql::mark_frontier(name, token)).is_some();
+    let last = if done {
+        token.to_string()
+    } else {
+        String::new()
+    };
+    marked.insert(key, (last, Instant::now()));
 }

@@ -16,7 +16,7 @@ use crate::types::MultiWriterToken;
 /// The stream, which must count forward: a backward stream's token is only
 /// its frontier, and consumers follow rows with `updates()`, which refuses
 /// backward streams too.
-fn forward_stream(stream: &str) -> std::rc::Rc<StreamMeta> {
+pub(super) fn forward_stream(stream: &str) -> std::rc::Rc<StreamMeta> {
     let meta = catalog::stream(stream).or_raise();
     if meta.backwards {
         Error::InvalidState {

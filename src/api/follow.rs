@@ -219,6 +219,44 @@ fn token_now(meta: &StreamMeta) -> Token {
     a.positions.token(&writer_ids(meta, &a))
 }
 
+/// A follower's token must come from this server's history (72000
+/// otherwise, as for a `since` token: see `refuse_ahead`,
+/// `refuse_lost_history`).
+fn refuse_foreign_token(meta: &StreamMeta, token: &Token) {
+    // A token at the cap prints to hundreds of kilobytes: the error quotes
+    // it clipped and names its highest position.
+    refuse_ahead(meta, "token", token.max_stream_pos(), || {
+        (
+            token.to_text(TokenKind::MultiWriter),
+            Some(token.max_stream_pos()),
+        )
+    });
+    refuse_lost_history(
+        meta,
+        std::iter::once(token.stream()).chain(token.instances().iter().map(|&(_, p)| p)),
+    );
+}
+
+/// A consumer's `wait_for`: sleep until the stream's current token is past
+/// the consumer's acknowledged position (as this call reads it), or the
+/// timeout passes; the current token (at or before the position on a
+/// timeout). For consumers that read the stream's rows themselves rather
+/// than through `updates()`.
+// PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
+// which PostgreSQL refuses while a parallel plan runs in the query.
+#[pg_extern(volatile, strict, parallel_unsafe)]
+fn wait_for_consumer(stream: &str, consumer: &str, timeout_ms: i32) -> MultiWriterToken {
+    let meta = super::consumers::forward_stream(stream);
+    refuse_on_standby();
+    let position = super::consumers::consumer_position(stream, consumer);
+    refuse_foreign_token(&meta, &position);
+    let index = registry_index(&meta);
+    MultiWriterToken(wait_until(index, timeout_ms, None, || {
+        let t = token_now(&meta);
+        (!t.is_before_or_eq(&position), t)
+    }))
+}
+
 // PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
 // which PostgreSQL refuses while a parallel plan runs in the query.
 // Not STRICT: `since` or `consumer` is given, the other NULL. Any other
@@ -293,18 +331,7 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
     // refused now, not after waiting.
     sql::check_may_follow(&catalog::stream_tables(stream));
     let index = registry_index(&meta);
-    // A token at the cap prints to hundreds of kilobytes: the error quotes
-    // it clipped and names its highest position.
-    refuse_ahead(&meta, "token", since.max_stream_pos(), || {
-        (
-            since.to_text(TokenKind::MultiWriter),
-            Some(since.max_stream_pos()),
-        )
-    });
-    refuse_lost_history(
-        &meta,
-        std::iter::once(since.stream()).chain(since.instances().iter().map(|&(_, p)| p)),
-    );
+    refuse_foreign_token(&meta, &since);
     // Wait until some writer moved past `since`.
     let not_before = if timeout_ms > 0 {
         batch_window_end(meta.key)

@@ -10,7 +10,7 @@ import time
 import psycopg
 import pytest
 
-from support import connect_raw, create_stream, ensure_login_role, expect_error, one, rows
+from support import connect_raw, create_stream, ensure_login_role, expect_error, one, rows, wait_until
 
 WRITERS = ["w1", "w2"]
 
@@ -459,6 +459,167 @@ def test_a_dropped_owners_consumer_is_left_to_a_superuser(connect, stream):
     err = expect_error(other, "SELECT streampos.ack(%s, 'orphan', '0')", (stream,), sqlstate="42501")
     assert err.diag.message_detail.startswith("It belongs to a dropped role (OID ")
     assert one(db, "SELECT streampos.unregister_consumer(%s, 'orphan')", (stream,)) is True
+
+
+def lags(conn, stream):
+    """{consumer: (lag_ids, lag_time in seconds)} of the view consumers."""
+    return {
+        name: (ids, seconds)
+        for name, ids, seconds in rows(
+            conn,
+            "SELECT consumer_name, lag_ids, extract(epoch FROM lag_time)::float8 "
+            "FROM streampos.consumers WHERE stream_name = %s",
+            (stream,),
+        )
+    }
+
+
+def marks(conn, stream):
+    return rows(
+        conn,
+        "SELECT position::text FROM streampos.frontier_marks WHERE stream_name = %s ORDER BY marked_at",
+        (stream,),
+    )
+
+
+def wait_for_mark(conn, stream, token):
+    wait_until(lambda: (token,) in marks(conn, stream), timeout=10, message=f"a mark of {token}")
+
+
+def test_lag_in_time_counts_from_when_unacknowledged_rows_became_readable(connect, stream):
+    """lag_time is how long rows the consumer has not acknowledged have
+    been readable: never more than since they were committed, less by at
+    most the marks' resolution (a second, plus a pass of the worker); 0
+    once the consumer acknowledged everything its reader can see."""
+    db = connect()
+    setup_stream(db, stream)
+    register(db, stream, "slow", "0")
+    register(db, stream, "quick", "0")
+    assert lags(db, stream) == {"slow": (0, 0.0), "quick": (0, 0.0)}
+    before = one(db, "SELECT extract(epoch FROM clock_timestamp())::float8")
+    write(db, stream, "w1", 2)
+    wait_for_mark(db, stream, "2")
+    time.sleep(1.5)
+    db.execute("BEGIN")
+    now = one(db, "SELECT extract(epoch FROM now())::float8")
+    lag = lags(db, stream)
+    db.execute("COMMIT")
+    assert lag["slow"][0] == 2
+    assert now - before - 1.5 <= lag["slow"][1] <= now - before
+    assert ack(db, stream, "quick", "2") == "2"
+    assert lags(db, stream)["quick"] == (0, 0.0)
+    # A writer holds ID 3 open while the other commits 4 and 5: a consumer
+    # that acknowledged the whole current token (m2~w2.5) is not behind,
+    # though its lowest position is 2 and the newest ID 5.
+    holder = connect()
+    holder.execute("BEGIN")
+    held = one(holder, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    assert held == 3
+    write(db, stream, "w2", 2)
+    w2 = instance_id(db, "w2")
+    current = one(db, "SELECT streampos.current_token(%s)::text", (stream,))
+    assert current == f"m2~{w2}.5"
+    assert ack(db, stream, "quick", current) == current
+    lag = lags(db, stream)
+    assert lag["quick"] == (0, 0.0)
+    assert lag["slow"][0] == 5 and lag["slow"][1] > 1.0
+    holder.execute("ROLLBACK")
+    # Marks every consumer has acknowledged are let go at the next mark;
+    # with no consumer left, every mark.
+    write(db, stream, "w1")
+    ack(db, stream, "slow", one(db, "SELECT streampos.current_token(%s)::text", (stream,)))
+    ack(db, stream, "quick", "6")
+    write(db, stream, "w1")
+    wait_until(lambda: marks(db, stream) == [("7",)], timeout=10, message="only the newest mark left")
+    db.execute("SELECT streampos.unregister_consumer(%s, 'slow')", (stream,))
+    db.execute("SELECT streampos.unregister_consumer(%s, 'quick')", (stream,))
+    write(db, stream, "w1")
+    wait_until(lambda: marks(db, stream) == [], timeout=10, message="no marks without consumers")
+    time.sleep(1.5)
+    assert marks(db, stream) == []
+
+
+def test_old_marks_are_thinned_and_the_lag_stays_a_lower_bound(connect, stream):
+    """Past an hour's age a minute keeps its latest mark, past a day's an
+    hour: three days of marks every 20 s (12 960) become some 1 600, a week
+    some 1 700, and the lag told from them is still never above the
+    truth."""
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 3)
+    register(db, stream, "idle", "0")
+    # Marks the worker would have made over three days, one every 20 s
+    # (12 960), while IDs 1, 2 and 3 were committed.
+    db.execute(
+        "INSERT INTO streampos.frontier_marks "
+        "SELECT %s, now() - g * interval '20 seconds', "
+        "       (CASE WHEN g > 6480 THEN '1' WHEN g > 2160 THEN '2' ELSE '3' END)::streampos.multi_writer_token "
+        "FROM generate_series(1, 12960) g",
+        (stream,),
+    )
+    oldest = one(db, "SELECT extract(epoch FROM now() - min(marked_at))::float8 FROM streampos.frontier_marks WHERE stream_name = %s", (stream,))
+    write(db, stream, "w1")
+    wait_for_mark(db, stream, "4")
+    # Away from the classes' edges (the worker's clock is not the test's):
+    # a minute keeps one mark between an hour's and a day's age, an hour
+    # one past a day's.
+    crowded = rows(
+        db,
+        "SELECT b, count(*) FROM ("
+        "  SELECT CASE WHEN marked_at < now() - interval '1 day 1 hour 2 minutes' "
+        "                THEN date_trunc('hour', marked_at) "
+        "              WHEN marked_at BETWEEN now() - interval '23 hours 58 minutes' "
+        "                             AND now() - interval '1 hour 2 minutes' "
+        "                THEN date_trunc('minute', marked_at) END AS b "
+        "  FROM streampos.frontier_marks WHERE stream_name = %s) x "
+        "WHERE b IS NOT NULL GROUP BY b HAVING count(*) > 1",
+        (stream,),
+    )
+    assert crowded == []
+    total = one(db, "SELECT count(*) FROM streampos.frontier_marks WHERE stream_name = %s", (stream,))
+    # 180 of the last hour, 1 380 minutes, 48 hours, the new mark.
+    assert total <= 180 + 1380 + 48 + 5
+    # The lag: from the latest mark of the oldest hour kept, an hour of the
+    # three days at most below the truth.
+    lag = lags(db, stream)["idle"]
+    assert lag[0] == 4
+    assert oldest - 3600 <= lag[1] <= oldest + 5
+
+
+def test_a_consumers_wait_for(connect, pool, stream):
+    """wait_for_consumer sleeps until the stream moves past the consumer's
+    acknowledged position (as the call read it), or the timeout; it
+    answers the current token. Every role may wait (positions and tokens
+    are for everyone to read); a position this server never reached is
+    72000, as a follower's token."""
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    register(db, stream, "c", "0")
+    assert one(db, "SELECT streampos.wait_for_consumer(%s, 'c', 0)::text", (stream,)) == "2"
+    ack(db, stream, "c", "2")
+    started = time.monotonic()
+    assert one(db, "SELECT streampos.wait_for_consumer(%s, 'c', 300)::text", (stream,)) == "2"
+    assert time.monotonic() - started >= 0.29
+    nobody = connect(user=ensure_login_role("streampos_con_none"))
+    waiting = pool.submit(one, nobody, "SELECT streampos.wait_for_consumer(%s, 'c', 20000)::text", (stream,))
+    time.sleep(0.3)
+    assert not waiting.done()
+    started = time.monotonic()
+    write(connect(), stream, "w2")
+    # The token past the position: ID 3 committed (or, first, writer w1's
+    # position moved to ID 3 when w2 took it, as every idle writer's does).
+    woken = waiting.result(timeout=10)
+    assert time.monotonic() - started < 5
+    assert woken in ("3", f"m2~{instance_id(db, 'w1')}.3")
+    expect_error(db, "SELECT streampos.wait_for_consumer(%s, 'nobody', 0)", (stream,), sqlstate="42704")
+    # A position from another history (a failover that lost IDs).
+    db.execute(
+        "UPDATE streampos.consumer_positions SET position = '1000' WHERE stream_name = %s AND consumer_name = 'c'",
+        (stream,),
+    )
+    err = expect_error(db, "SELECT streampos.wait_for_consumer(%s, 'c', 0)", (stream,), sqlstate="72000")
+    assert "1000" in err.diag.message_primary
 
 
 def test_every_row_processed_exactly_once_by_every_consumer_under_kills(connect, stream):

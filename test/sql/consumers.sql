@@ -29,14 +29,18 @@ SELECT streampos.register_consumer('con_missing', 'sender');
 SELECT streampos.register_consumer(NULL, 'sender');
 SELECT streampos.create_stream('con_back', backwards => true)::text;
 SELECT streampos.register_consumer('con_back', 'sender');
-SELECT stream_name, consumer_name, owner, position, lag_ids FROM streampos.consumers
-WHERE stream_name = 'con_s' ORDER BY consumer_name;
+SELECT stream_name, consumer_name, owner, position, lag_ids, lag_time >= interval '0' AS lag_time_known
+FROM streampos.consumers WHERE stream_name = 'con_s' ORDER BY consumer_name;
 
 -- Following.
 SELECT streampos.updates('con_s', consumer => 'from_one');
 SELECT streampos.updates('con_s', consumer => 'nobody');
 SELECT streampos.updates('con_s', '1', consumer => 'from_one');
 SELECT streampos.updates('con_s') IS NULL AS no_position;
+SELECT streampos.wait_for_consumer('con_s', 'from_one', 0)::text;
+SELECT streampos.wait_for_consumer('con_s', 'nobody', 0);
+SELECT streampos.wait_for_consumer('con_back', 'sender', 0);
+SELECT streampos.wait_for_consumer('con_s', 'from_one', NULL) IS NULL AS strict;
 
 -- Acknowledging.
 SELECT streampos.ack('con_s', 'from_one', '3')::text;

@@ -54,6 +54,11 @@ def test_a_batch_commits_with_its_acknowledgement(db, stream):
         assert consumer.position() == streampos.MultiWriterToken(2)
         with consumer.batch() as batch:
             assert len(batch) == 0
+        # A consumer reading with its own query: nothing past its position
+        # (the wait times out there), then a commit wakes it.
+        assert consumer.wait(timeout_ms=50) == streampos.MultiWriterToken(2)
+        write(db, stream, table, WRITERS[0], 1)
+        assert consumer.wait() == streampos.MultiWriterToken(3)
         assert consumer.unregister() is True
         assert consumer.position() is None
 

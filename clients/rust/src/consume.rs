@@ -95,6 +95,23 @@ impl Consumer {
         Updates::from_json(row.try_get(0)?)
     }
 
+    /// `streampos.wait_for_consumer`: sleeps until the stream is past the
+    /// acknowledged position or the timeout passes; returns the stream's
+    /// current token. For a consumer that reads its rows with a query of
+    /// its own, then acknowledges the token in the transaction that
+    /// processed them (also when no rows came: an idle writer's position
+    /// moves the token too).
+    pub async fn wait<Q: Queryable + ?Sized>(&self, q: &Q) -> Result<MultiWriterToken, Error> {
+        let ms = millis(self.timeout);
+        Ok(one(
+            q,
+            "SELECT streampos.wait_for_consumer($1, $2, $3)",
+            &[&self.stream, &self.name, &ms],
+        )
+        .await?
+        .try_get(0)?)
+    }
+
     /// `streampos.ack`: every row up to `token` is processed, with `txn`.
     /// Never moves the position back. Returns the position after.
     pub async fn ack(

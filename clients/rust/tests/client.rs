@@ -470,7 +470,16 @@ async fn consumer_acknowledges_with_its_transaction() {
         Some(again.token.clone())
     );
 
+    // Nothing past the position: the wait times out at the position.
+    let waited = consumer
+        .clone()
+        .with_timeout(Duration::from_millis(50))
+        .wait(&client)
+        .await
+        .unwrap();
+    assert_eq!(waited, again.token);
     insert(&mut writer, &stream, "w2", &[12], true).await;
+    assert_eq!(consumer.wait(&client).await.unwrap().to_string(), "3");
     let txn = client.transaction().await.unwrap();
     let next = consumer.batch(&txn).await.unwrap();
     assert_eq!((next.token.to_string(), next.row_count()), ("3".into(), 1));

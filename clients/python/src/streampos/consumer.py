@@ -129,6 +129,20 @@ class Consumer:
         ).fetchone()
         return None if row is None else MultiWriterToken.parse(row[0])
 
+    def wait(self, timeout_ms: Optional[int] = None) -> MultiWriterToken:
+        """``streampos.wait_for_consumer``: sleep until the stream is past
+        the acknowledged position (or ``timeout_ms``, default the
+        consumer's), and return the stream's current token: for a consumer
+        that reads its rows with a query of its own, then acknowledges the
+        token in the transaction that processed them (also when no rows
+        came: an idle writer's position moves the token too)."""
+        row = self.conn.execute(
+            "SELECT streampos.wait_for_consumer(%s, %s, %s)::text",
+            (self.stream, self.name, self.timeout_ms if timeout_ms is None else timeout_ms),
+        ).fetchone()
+        assert row is not None
+        return MultiWriterToken.parse(row[0])
+
     def _lock(self) -> None:
         if not self._exclusive or self._locked:
             return
