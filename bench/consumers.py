@@ -13,6 +13,10 @@ median of the rounds' ratios with their range.
    (the second is what Synapse does for federation_stream_position).
 2. Reading a batch: updates('c_s', consumer => 'c1', n, 0) against
    updates('c_s', since, n, 0) with the same position, n = 1 and 100.
+3. What the lag in time costs writers (4 clients, one row a transaction):
+   a stream with a consumer that never acknowledges (the position worker
+   marks its token every second and keeps every mark) against one without
+   consumers.
 """
 import argparse
 import statistics
@@ -49,6 +53,14 @@ class ConsumerBench(Bench):
             for k in range(1, max(CLIENTS) + 1):
                 c.execute("SELECT streampos.register_consumer('c_s', %s, '0')", (f"c{k}",))
                 c.execute("INSERT INTO c_positions VALUES (%s, 'master', 0)", (f"c{k}",))
+            for stream in ("c_marked", "c_plain"):
+                if c.execute("SELECT 1 FROM streampos.streams WHERE stream_name = %s", (stream,)).fetchone():
+                    c.execute("SELECT streampos.drop_stream(%s)", (stream,))
+                c.execute(f"DROP TABLE IF EXISTS {stream}_ev")
+                c.execute(f"CREATE TABLE {stream}_ev (id bigint PRIMARY KEY, w text NOT NULL, body text NOT NULL)")
+                c.execute("SELECT streampos.create_stream(%s)", (stream,))
+                c.execute("SELECT streampos.add_table(%s, %s, 'id', 'w')", (stream, f"{stream}_ev"))
+            c.execute("SELECT streampos.register_consumer('c_marked', 'idle')")
             c.execute("VACUUM ANALYZE c_ev, c_positions")
 
     def compare(self, label, shapes, clients):
@@ -97,6 +109,19 @@ class ConsumerBench(Bench):
         return rows
 
 
+    def marks(self):
+        clients = 4
+        shapes = {
+            stream: f"INSERT INTO {stream}_ev VALUES (streampos.next_id('{stream}', 'w' || :client_id), "
+                    f"'w' || :client_id, 'x');\n"
+            for stream in ("c_marked", "c_plain")
+        }
+        result = self.compare("writers, a lagging consumer", shapes, clients)
+        with self.connect() as c:
+            kept = c.execute("SELECT count(*) FROM streampos.frontier_marks WHERE stream_name = 'c_marked'").fetchone()[0]
+        return (clients, *result, kept)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
@@ -111,6 +136,7 @@ def main():
     bench.setup()
     acks = bench.acks()
     reads = bench.reads()
+    marks = bench.marks()
     lines = ["### Consumers", "",
              f"pgbench -M prepared, {args.rounds} rounds of {args.seconds} s, order alternating; "
              "ratio: median (range) of the rounds' ratios.", "",
@@ -121,6 +147,10 @@ def main():
     lines += ["", "| reading a batch | rows | consumer => tps | since => tps | ratio |", "|---|---|---|---|---|"]
     for n, a, b, ratios in reads:
         lines.append(f"| `updates()` | {n} | {a:.0f} | {b:.0f} | {fmt(ratios)} |")
+    clients, a, b, ratios, kept = marks
+    lines += ["", "| writers | clients | with a lagging consumer tps | without consumers tps | ratio | marks kept |",
+              "|---|---|---|---|---|---|",
+              f"| one row a transaction | {clients} | {a:.0f} | {b:.0f} | {fmt(ratios)} | {kept} |"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

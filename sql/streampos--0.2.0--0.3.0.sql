@@ -187,15 +187,16 @@ SELECT c.stream_name, c.consumer_name, c.owner, c.position,
                 streampos.max_stream_pos(t.current) OPERATOR(pg_catalog.-) streampos.stream_pos(c.position))
        END AS lag_ids,
        CASE WHEN streampos.is_before_or_eq(t.current, c.position) THEN interval '0'
-            ELSE COALESCE(pg_catalog.now() OPERATOR(pg_catalog.-)
+            ELSE GREATEST(interval '0',
+                pg_catalog.statement_timestamp() OPERATOR(pg_catalog.-)
                     (SELECT m.marked_at FROM streampos.frontier_marks m
                      WHERE m.stream_name OPERATOR(pg_catalog.=) c.stream_name
                        AND NOT streampos.is_before_or_eq(m.position, c.position)
-                     ORDER BY m.marked_at LIMIT 1),
-                 interval '0')
+                     ORDER BY m.marked_at LIMIT 1))
        END AS lag_time,
        c.registered_at, c.acked_at,
-       pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at)
+       GREATEST(interval '0',
+           pg_catalog.statement_timestamp() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at))
            AS since_ack
 FROM streampos.consumer_positions c,
      LATERAL (SELECT streampos.current_token(c.stream_name) AS current) t;

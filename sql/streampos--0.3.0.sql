@@ -1251,7 +1251,8 @@ CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON cons
 ALTER TABLE consumer_positions ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
 -- When the stream's current token passed what: marked by the position
--- worker at most once a second while the stream has consumers, and kept
+-- worker at most once a second when it moved while the stream has
+-- consumers (and by a registration below the current token), and kept
 -- while some consumer has not acknowledged what a mark shows (thinned to
 -- one a minute past an hour's age, one an hour past a day's), so that a
 -- consumer's lag can be told in time.
@@ -1270,9 +1271,10 @@ ALTER TABLE frontier_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 -- Per consumer, for the reader's snapshot: how far behind the stream's
 -- current token it is, in IDs (its lowest position against the newest
 -- finished ID; 0 when it has acknowledged the whole token) and in time
--- (since the first mark the consumer has not acknowledged: when rows it
--- has not acknowledged became readable, to within the marks' resolution),
--- and since when it has not acknowledged.
+-- (since the first mark the consumer has not acknowledged: how long the
+-- current token has been past its position, to within the marks'
+-- resolution, counted at the statement's start), and since when it has
+-- not acknowledged.
 CREATE VIEW consumers AS
 SELECT c.stream_name, c.consumer_name, c.owner, c.position,
        CASE WHEN is_before_or_eq(t.current, c.position) THEN 0
@@ -1280,15 +1282,16 @@ SELECT c.stream_name, c.consumer_name, c.owner, c.position,
                 max_stream_pos(t.current) OPERATOR(pg_catalog.-) stream_pos(c.position))
        END AS lag_ids,
        CASE WHEN is_before_or_eq(t.current, c.position) THEN interval '0'
-            ELSE COALESCE(pg_catalog.now() OPERATOR(pg_catalog.-)
+            ELSE GREATEST(interval '0',
+                pg_catalog.statement_timestamp() OPERATOR(pg_catalog.-)
                     (SELECT m.marked_at FROM frontier_marks m
                      WHERE m.stream_name OPERATOR(pg_catalog.=) c.stream_name
                        AND NOT is_before_or_eq(m.position, c.position)
-                     ORDER BY m.marked_at LIMIT 1),
-                 interval '0')
+                     ORDER BY m.marked_at LIMIT 1))
        END AS lag_time,
        c.registered_at, c.acked_at,
-       pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at)
+       GREATEST(interval '0',
+           pg_catalog.statement_timestamp() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at))
            AS since_ack
 FROM consumer_positions c,
      LATERAL (SELECT current_token(c.stream_name) AS current) t;

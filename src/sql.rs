@@ -181,11 +181,17 @@ pub fn lock_consumers(stream_key: i32, exclusive: bool) {
 
 /// The role that owns the extension (and its catalog tables).
 fn extension_owner() -> pg_sys::Oid {
-    select_one::<pg_sys::Oid>(
+    // Kept: every catalog write asks (an acknowledgement each time).
+    kept_select(
+        pg_sys::InvalidOid,
         "SELECT e.extowner FROM pg_catalog.pg_extension e \
          WHERE e.extname OPERATOR(pg_catalog.=) 'streampos'",
         &[],
+        &[],
+        // SAFETY: a row of the statement's result; extowner is an oid.
+        |tuple, desc| unsafe { column::<pg_sys::Oid>(tuple, desc, 1) },
     )
+    .pop()
     .unwrap_or_else(|| Error::Internal("extension streampos is not installed".into()).report())
 }
 
@@ -1372,6 +1378,63 @@ pub fn relations_changed() {
     KEPT_STALE.with(|s| s.set(true));
 }
 
+/// The statement kept for (`rel`, `query`) (see `KEPT`), prepared in this
+/// SPI connection the first time (`mutating`: an INSERT, UPDATE or DELETE).
+fn kept_plan(
+    client: &pgrx::spi::SpiClient,
+    rel: pg_sys::Oid,
+    query: &str,
+    types: &[PgOid],
+    mutating: bool,
+) -> SpiResult<std::rc::Rc<pgrx::spi::OwnedPreparedStatement>> {
+    if KEPT_STALE.with(|s| s.replace(false)) {
+        KEPT.with(|k| k.borrow_mut().clear());
+    }
+    let key = (rel, query.to_string());
+    if let Some(plan) = KEPT.with(|k| k.borrow().get(&key).cloned()) {
+        return Ok(plan);
+    }
+    let prepared = if mutating {
+        client.prepare_mut(query, types)?
+    } else {
+        client.prepare(query, types)?
+    };
+    let plan = std::rc::Rc::new(prepared.keep());
+    KEPT.with(|k| {
+        let mut kept = k.borrow_mut();
+        // Bounded: a session following many tables (or tables renamed
+        // again and again) starts over.
+        if kept.len() >= MAX_KEPT {
+            kept.clear();
+        }
+        kept.insert(key, plan.clone())
+    });
+    Ok(plan)
+}
+
+/// The rows the statement just run in this SPI connection returned, each
+/// converted by `row` from its tuple and the result's descriptor.
+fn collect_rows<T>(
+    count: usize,
+    mut row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(count);
+    // SAFETY: the statement just ran in this SPI connection: its tuple
+    // table has `count` tuples and a descriptor, valid until SPI finishes;
+    // `row` copies out what it keeps.
+    unsafe {
+        let table = pg_sys::SPI_tuptable;
+        if !table.is_null() {
+            for k in 0..count {
+                if let Some(v) = row(*(*table).vals.add(k), (*table).tupdesc) {
+                    out.push(v);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Every row of a read-only statement kept for later calls (see `KEPT`),
 /// each converted by `row` from the result's tuple and descriptor.
 fn kept_select<T>(
@@ -1379,52 +1442,48 @@ fn kept_select<T>(
     query: &str,
     types: &[PgOid],
     args: &[DatumWithOid],
-    mut row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
+    row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
 ) -> Vec<T> {
-    if KEPT_STALE.with(|s| s.replace(false)) {
-        KEPT.with(|k| k.borrow_mut().clear());
-    }
     // Run with the pinned search path too: from PostgreSQL 17 on, a kept
     // statement is analysed again with the path current when it runs.
     with_safe_path(|| {
         spi(Spi::connect(|client| {
-            let key = (rel, query.to_string());
-            let kept = KEPT.with(|k| k.borrow().get(&key).cloned());
-            let plan = match kept {
-                Some(plan) => plan,
-                None => {
-                    let plan =
-                        std::rc::Rc::new(with_safe_path(|| client.prepare(query, types))?.keep());
-                    KEPT.with(|k| {
-                        let mut kept = k.borrow_mut();
-                        // Bounded: a session following many tables (or tables
-                        // renamed again and again) starts over.
-                        if kept.len() >= MAX_KEPT {
-                            kept.clear();
-                        }
-                        kept.insert(key, plan.clone())
-                    });
-                    plan
-                }
-            };
-            let result = client.select(&*plan, None, args)?;
-            let mut out = Vec::with_capacity(result.len());
-            // SAFETY: the statement just ran in this SPI connection: its tuple
-            // table has `len()` tuples and a descriptor, valid until SPI
-            // finishes; `row` copies out what it keeps.
-            unsafe {
-                let table = pg_sys::SPI_tuptable;
-                if !table.is_null() {
-                    for k in 0..result.len() {
-                        if let Some(v) = row(*(*table).vals.add(k), (*table).tupdesc) {
-                            out.push(v);
-                        }
-                    }
-                }
-            }
-            Ok(out)
+            let plan = kept_plan(&client, rel, query, types, false)?;
+            let count = client.select(&*plan, None, args)?.len();
+            Ok(collect_rows(count, row))
         }))
     })
+}
+
+/// As `kept_select`, for a statement that writes (with RETURNING).
+fn kept_update<T>(
+    query: &str,
+    types: &[PgOid],
+    args: &[DatumWithOid],
+    row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
+) -> Vec<T> {
+    with_safe_path(|| {
+        spi(Spi::connect_mut(|client| {
+            let plan = kept_plan(client, pg_sys::InvalidOid, query, types, true)?;
+            let count = client.update(&*plan, None, args)?.len();
+            Ok(collect_rows(count, row))
+        }))
+    })
+}
+
+/// Column `column` (from 1) of an SPI result's tuple.
+///
+/// # Safety
+/// `tuple` and `desc` are a row of the current SPI result and its
+/// descriptor, and the column's type is `T`'s.
+unsafe fn column<T: FromDatum>(
+    tuple: pg_sys::HeapTuple,
+    desc: pg_sys::TupleDesc,
+    column: i32,
+) -> Option<T> {
+    let mut null = false;
+    // SAFETY: as the caller promises.
+    unsafe { T::from_datum(pg_sys::SPI_getbinval(tuple, desc, column, &mut null), null) }
 }
 
 /// One row of `updates`' answer: its ID and the row as a jsonb datum in
@@ -1813,8 +1872,28 @@ pub fn store_positions(stream: &str, frontier: bool) -> bool {
 /// minute (past a day's, of each hour). A consumer's lag is counted from
 /// its first mark not acknowledged; keeping the latest of a bucket keeps
 /// that an underestimate by less than the bucket. Run by the position
-/// worker, `frontier_marks` locked (`lock_for_pass`).
-pub fn mark_frontier(stream: &str, token: &str) {
+/// worker, `frontier_marks` locked (`lock_for_pass`); false, doing
+/// nothing, when `consumer_positions` is not granted to it at once (an
+/// operator's command holds it: the worker marks a second later).
+pub fn mark_frontier(stream: &str, token: &str) -> bool {
+    // SAFETY: catalog lookups that return InvalidOid for what does not
+    // exist; a conditional lock raises no error; it is released at the
+    // end of the pass's transaction.
+    let locked = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
+        let rel = if nsp == pg_sys::InvalidOid {
+            pg_sys::InvalidOid
+        } else {
+            pg_sys::get_relname_relid(c"consumer_positions".as_ptr(), nsp)
+        };
+        rel != pg_sys::InvalidOid
+            && pg_sys::ConditionalLockRelationOid(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE)
+    };
+    if !locked {
+        return false;
+    }
+    // `safe` once for the statement (an InitPlan): as a joined subquery
+    // the planner called safe_to_delete() for every mark.
     run(
         "WITH marked AS ( \
            INSERT INTO streampos.frontier_marks (stream_name, marked_at, position) \
@@ -1824,9 +1903,9 @@ pub fn mark_frontier(stream: &str, token: &str) {
                          WHERE c.stream_name OPERATOR(pg_catalog.=) $1) \
            ON CONFLICT DO NOTHING) \
          DELETE FROM streampos.frontier_marks m \
-         USING (SELECT streampos.safe_to_delete(s.stream_name) AS safe \
-                FROM streampos.streams s \
-                WHERE s.stream_name OPERATOR(pg_catalog.=) $1) k \
+         USING (SELECT (SELECT streampos.safe_to_delete(s.stream_name) \
+                        FROM streampos.streams s \
+                        WHERE s.stream_name OPERATOR(pg_catalog.=) $1) AS safe) k \
          WHERE m.stream_name OPERATOR(pg_catalog.=) $1 \
            AND (k.safe IS NULL \
                 OR streampos.is_before_or_eq(m.position, k.safe) \
@@ -1846,6 +1925,23 @@ pub fn mark_frontier(stream: &str, token: &str) {
                          ('1 ' OPERATOR(pg_catalog.||) b.unit)::pg_catalog.interval)))",
         &[stream.into(), token.into()],
     );
+    true
+}
+
+/// Mark `token` (token text) of the stream as passed now, in the caller's
+/// transaction: a consumer registered below the current token has rows
+/// to catch up on from now at least, while the position worker marks only
+/// tokens that move (see `mark_frontier`).
+pub fn insert_mark(stream: &str, token: &str) {
+    as_owner(|| {
+        run(
+            "INSERT INTO streampos.frontier_marks (stream_name, marked_at, position) \
+             VALUES ($1, pg_catalog.clock_timestamp(), \
+                     $2::pg_catalog.text::streampos.multi_writer_token) \
+             ON CONFLICT DO NOTHING",
+            &[stream.into(), token.into()],
+        )
+    });
 }
 
 /// Longest token a notification carries: NOTIFY payloads must stay under
@@ -2092,19 +2188,32 @@ pub struct ConsumerRow {
 
 /// The consumer's row as the caller's snapshot sees it.
 pub fn consumer(stream: &str, consumer: &str) -> Option<ConsumerRow> {
-    select_all(
+    // Kept: a consumer acknowledges again and again.
+    kept_select(
+        pg_sys::InvalidOid,
         "SELECT c.owner::pg_catalog.oid, c.position::pg_catalog.text \
          FROM streampos.consumer_positions c \
          WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
            AND c.consumer_name OPERATOR(pg_catalog.=) $2",
+        &[TEXT, TEXT],
         &[stream.into(), consumer.into()],
-        |r| {
-            Ok(r.get::<pg_sys::Oid>(1)?
-                .zip(r.get::<String>(2)?)
-                .map(|(owner, position)| ConsumerRow { owner, position }))
-        },
+        owner_and_position,
     )
     .pop()
+    .map(|(owner, position)| ConsumerRow { owner, position })
+}
+
+const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
+
+/// (owner, position text) of a row of `consumer_positions` a statement
+/// returned as its first two columns.
+fn owner_and_position(
+    tuple: pg_sys::HeapTuple,
+    desc: pg_sys::TupleDesc,
+) -> Option<(pg_sys::Oid, String)> {
+    // SAFETY: a row of the statement's result, whose columns 1 and 2 are
+    // an oid and a text.
+    unsafe { column::<pg_sys::Oid>(tuple, desc, 1).zip(column::<String>(tuple, desc, 2)) }
 }
 
 /// Register a consumer owned by `owner` at `position` (token text); None if
@@ -2156,25 +2265,20 @@ pub fn advance_consumer(
          WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
            AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
          RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
+        &[TEXT, TEXT, TEXT],
         &[stream.into(), consumer.into(), token.into()],
     )
 }
 
-/// A write of one consumer's row as the extension's owner, returning the
-/// row's (owner, position text); None if there was no row.
-fn consumer_write(query: &str, args: &[DatumWithOid]) -> Option<(pg_sys::Oid, String)> {
-    as_owner(|| {
-        with_safe_path(|| {
-            spi(Spi::connect_mut(|client| {
-                let table = client.update(query, Some(1), args)?;
-                if table.is_empty() {
-                    return Ok(None);
-                }
-                let row = table.first();
-                Ok(row.get::<pg_sys::Oid>(1)?.zip(row.get::<String>(2)?))
-            }))
-        })
-    })
+/// A write of one consumer's row (by its primary key) as the extension's
+/// owner, kept for later calls, returning the row's (owner, position
+/// text); None if there was no row.
+fn consumer_write(
+    query: &str,
+    types: &[PgOid],
+    args: &[DatumWithOid],
+) -> Option<(pg_sys::Oid, String)> {
+    as_owner(|| kept_update(query, types, args, owner_and_position).pop())
 }
 
 /// Forget a consumer; the owner (the caller checks it) and position of the
@@ -2185,6 +2289,7 @@ pub fn delete_consumer(stream: &str, consumer: &str) -> Option<(pg_sys::Oid, Str
          WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
            AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
          RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
+        &[TEXT, TEXT],
         &[stream.into(), consumer.into()],
     )
 }

@@ -451,9 +451,9 @@ fn mark_frontier(marked: &mut HashMap<i32, (String, Instant)>, key: i32, name: &
         return;
     }
     let what = format!("marking the frontier of stream \"{name}\"");
-    // A mark that failed is tried again after the interval, not at every
-    // pass (nor logged at every pass).
-    let done = in_subtransaction(&what, || sql::mark_frontier(name, token)).is_some();
+    // A failed or put-off mark is tried again after the interval, not at
+    // every pass (nor logged at every pass).
+    let done = in_subtransaction(&what, || sql::mark_frontier(name, token)) == Some(true);
     let last = if done {
         token.to_string()
     } else {

@@ -186,6 +186,12 @@ fn register_consumer(
     let me = unsafe { pg_sys::GetUserId() };
     let text = position.to_text(TokenKind::MultiWriter);
     if let Some(stored) = sql::insert_consumer(stream, consumer, me, &text) {
+        // Behind the current token: its lag in time counts from now (the
+        // position worker marks the token only when it moves).
+        let current = token_of(stream);
+        if !current.is_before_or_eq(&position) {
+            sql::insert_mark(stream, &current.to_text(TokenKind::MultiWriter));
+        }
         return Some(MultiWriterToken(parse_stored(&stored)));
     }
     // Registered by a transaction that committed while we waited for it.

@@ -539,6 +539,49 @@ def test_lag_in_time_counts_from_when_unacknowledged_rows_became_readable(connec
     assert marks(db, stream) == []
 
 
+def test_a_consumer_registered_behind_an_idle_stream_shows_its_lag(connect, stream):
+    """The worker marks a token when it moves; a consumer registered below
+    the current token of a stream that no longer moves is behind from its
+    registration on (the registration marks the token)."""
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 3)
+    time.sleep(1.2)  # the worker's pass saw the token, with no consumer
+    assert marks(db, stream) == []
+    register(db, stream, "late", "0")
+    assert marks(db, stream) == [("3",)]
+    time.sleep(1.5)
+    ids, seconds = lags(db, stream)["late"]
+    assert ids == 3 and 1.4 <= seconds < 5
+    # A registration at the current token marks nothing.
+    register(db, stream, "current")
+    assert lags(db, stream)["current"] == (0, 0.0)
+    assert marks(db, stream) == [("3",)]
+
+
+def test_lag_is_counted_at_the_statement_and_never_below_zero(connect, stream):
+    """In a READ COMMITTED transaction a later statement sees marks and
+    acknowledgements newer than the transaction's start."""
+    db, reader = connect(), connect()
+    setup_stream(db, stream)
+    register(db, stream, "c", "0")
+    reader.execute("BEGIN")
+    one(reader, "SELECT 1")
+    time.sleep(1.2)
+    write(db, stream, "w1")
+    wait_for_mark(db, stream, "1")
+    ack(db, stream, "c", "0")
+    lag_time, since_ack = rows(
+        reader,
+        "SELECT extract(epoch FROM lag_time)::float8, extract(epoch FROM since_ack)::float8 "
+        "FROM streampos.consumers WHERE stream_name = %s",
+        (stream,),
+    )[0]
+    reader.execute("COMMIT")
+    assert 0 <= lag_time < 2
+    assert 0 <= since_ack < 2
+
+
 def test_old_marks_are_thinned_and_the_lag_stays_a_lower_bound(connect, stream):
     """Past an hour's age a minute keeps its latest mark, past a day's an
     hour: three days of marks every 20 s (12 960) become some 1 600, a week

@@ -173,6 +173,8 @@ def test_the_exporter_shows_the_views(exporter, connect):
         create_stream(c, "events")
         create_stream(c, "receipts")
         create_stream(c, "backfill", backwards=True)
+        # A consumer that acknowledges nothing: its lag grows.
+        c.execute("SELECT streampos.register_consumer('events', 'pusher')")
         commit_ids(c, "events", "persister1", 3)
         commit_ids(c, "backfill", "persister1", 2)
         with connect_raw(name) as w:
@@ -190,6 +192,7 @@ def test_the_exporter_shows_the_views(exporter, connect):
         url = exporter(name)
         metrics, text = scrape(url)
         streams = {r["stream_name"]: r for r in view_rows(c, "stat_streams")}
+        consumers = view_rows(c, "consumers")
         registry = view_rows(c, "stat_registry")[0]
         holder.execute("ROLLBACK")
         holder.close()
@@ -228,3 +231,10 @@ def test_the_exporter_shows_the_views(exporter, connect):
         assert metrics[(f"streampos_registry_{column}", frozenset())] == registry[column]
     assert metrics[("streampos_registry_ring_folds_total", frozenset())] == registry["ring_folds"]
     assert metrics[("streampos_registry_position_workers", frozenset())] >= 1
+    [pusher] = consumers
+    labels = frozenset({("stream", "events"), ("consumer", "pusher")})
+    assert pusher["lag_ids"] == 7
+    assert metrics[("streampos_consumer_lag_ids", labels)] == pusher["lag_ids"]
+    assert pusher["lag_time"].total_seconds() > 0.5
+    for metric, column in [("lag_seconds", "lag_time"), ("since_ack_seconds", "since_ack")]:
+        assert metrics[(f"streampos_consumer_{metric}", labels)] == pytest.approx(pusher[column].total_seconds(), abs=2)

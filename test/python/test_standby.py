@@ -190,3 +190,36 @@ def test_a_standby_follows_more_than_64_writers(connect, stream, standby):
             wait_until(frontier_is(replica, stream, top), timeout=10,
                        message=f"the standby frontier to reach {top}")
         assert one(replica, "SELECT count(*) FROM streampos.writer_positions(%s)", (stream,)) == 80
+
+
+def test_a_standby_tells_a_consumers_lag_from_the_replicated_marks(connect, stream, standby):
+    """Consumer positions and frontier marks are rows: the standby's view
+    consumers tells the lag the primary's does; waiting is for the primary
+    (0A000, as wait_for)."""
+    primary = connect()
+    create_stream(primary, stream, writers=["a"])
+    primary.execute("SELECT streampos.register_consumer(%s, 'pusher')", (stream,))
+    commit_one(primary, stream, "a")
+    wait_until(
+        lambda: one(primary, "SELECT count(*) FROM streampos.frontier_marks WHERE stream_name = %s", (stream,)) == 1,
+        timeout=10,
+        message="the worker's mark",
+    )
+    with connect_raw(port=standby["port"]) as replica:
+        wait_until(
+            lambda: one(replica, "SELECT count(*) FROM streampos.frontier_marks WHERE stream_name = %s",
+                        (stream,)) == 1 and frontier_is(replica, stream, 1)(),
+            timeout=10,
+            message="the standby to replay the mark and the frontier",
+        )
+        query = ("SELECT lag_ids, extract(epoch FROM now() - lag_time)::float8 FROM streampos.consumers "
+                 "WHERE stream_name = %s AND consumer_name = 'pusher'")
+        on_primary, on_standby = one_row(primary, query, (stream,)), one_row(replica, query, (stream,))
+        assert on_primary[0] == on_standby[0] == 1
+        # The same mark: lag_time counts from the same moment.
+        assert on_standby[1] == pytest.approx(on_primary[1], abs=0.01)
+        expect_error(replica, "SELECT streampos.wait_for_consumer(%s, 'pusher', 100)", (stream,), sqlstate="0A000")
+
+
+def one_row(conn, sql, params):
+    return conn.execute(sql, params).fetchone()
