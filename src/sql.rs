@@ -1448,7 +1448,7 @@ fn kept_select<T>(
     // statement is analysed again with the path current when it runs.
     with_safe_path(|| {
         spi(Spi::connect(|client| {
-            let plan = kept_plan(&client, rel, query, types, false)?;
+            let plan = kept_plan(client, rel, query, types, false)?;
             let count = client.select(&*plan, None, args)?.len();
             Ok(collect_rows(count, row))
         }))
