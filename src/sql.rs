@@ -1355,13 +1355,16 @@ impl RowRange<'_> {
 }
 
 // Statements prepared once and kept (a follower calls `updates` again and
-// again: parsing and planning were most of a call's cost), by their text,
-// which names the relation and its columns, and by the relation's OID (a
-// schema renamed leaves the text of another relation the same). PostgreSQL replans a kept
-// statement when what it depends on changes, with the search path it was
-// prepared with (the pinned one); a relcache invalidation drops them all
-// (`relations_changed`), as a relation renamed, altered or given to
-// another owner changes the text or the role it is run as.
+// again, a consumer `ack`: parsing and planning were most of a call's
+// cost), by their text, which names the relation and its columns, and by
+// the relation's OID (a schema renamed leaves the text of another relation
+// the same; InvalidOid for the extension's own statements, whose text is
+// fixed). PostgreSQL replans a kept statement when what it depends on
+// changes, analysing it again with the search path current when it runs
+// (always the pinned one: they run inside `with_safe_path`); a relcache
+// invalidation drops the statements of stream tables (`relations_changed`),
+// as a relation renamed, altered or given to another owner changes the
+// text or the role it is run as.
 thread_local! {
     static KEPT: std::cell::RefCell<crate::fast_hash::FastMap<(pg_sys::Oid, String), std::rc::Rc<pgrx::spi::OwnedPreparedStatement>>> =
         std::cell::RefCell::new(crate::fast_hash::FastMap::default());
@@ -1388,7 +1391,10 @@ fn kept_plan(
     mutating: bool,
 ) -> SpiResult<std::rc::Rc<pgrx::spi::OwnedPreparedStatement>> {
     if KEPT_STALE.with(|s| s.replace(false)) {
-        KEPT.with(|k| k.borrow_mut().clear());
+        KEPT.with(|k| {
+            k.borrow_mut()
+                .retain(|(rel, _), _| *rel == pg_sys::InvalidOid)
+        });
     }
     let key = (rel, query.to_string());
     if let Some(plan) = KEPT.with(|k| k.borrow().get(&key).cloned()) {
@@ -1444,8 +1450,8 @@ fn kept_select<T>(
     args: &[DatumWithOid],
     row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
 ) -> Vec<T> {
-    // Run with the pinned search path too: from PostgreSQL 17 on, a kept
-    // statement is analysed again with the path current when it runs.
+    // Run with the pinned search path too: a kept statement is analysed
+    // again with the path current when it runs.
     with_safe_path(|| {
         spi(Spi::connect(|client| {
             let plan = kept_plan(client, rel, query, types, false)?;
@@ -1872,10 +1878,11 @@ pub fn store_positions(stream: &str, frontier: bool) -> bool {
 /// minute (past a day's, of each hour). A consumer's lag is counted from
 /// its first mark not acknowledged; keeping the latest of a bucket keeps
 /// that an underestimate by less than the bucket. Run by the position
-/// worker, `frontier_marks` locked (`lock_for_pass`); false, doing
-/// nothing, when `consumer_positions` is not granted to it at once (an
-/// operator's command holds it: the worker marks a second later).
-pub fn mark_frontier(stream: &str, token: &str) -> bool {
+/// worker, `frontier_marks` locked (`lock_for_pass`). Whether it marked
+/// (false: the stream has no consumers); None, doing nothing, when
+/// `consumer_positions` is not granted to it at once (an operator's
+/// command holds it: the worker marks a second later).
+pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
     // SAFETY: catalog lookups that return InvalidOid for what does not
     // exist; a conditional lock raises no error; it is released at the
     // end of the pass's transaction.
@@ -1890,42 +1897,44 @@ pub fn mark_frontier(stream: &str, token: &str) -> bool {
             && pg_sys::ConditionalLockRelationOid(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE)
     };
     if !locked {
-        return false;
+        return None;
     }
-    // `safe` once for the statement (an InitPlan): as a joined subquery
+    // `safe` once for the statement (MATERIALIZED): as a joined subquery
     // the planner called safe_to_delete() for every mark.
-    run(
-        "WITH marked AS ( \
+    let marked = update_one::<i64>(
+        "WITH safe AS MATERIALIZED (SELECT streampos.safe_to_delete($1) AS safe), \
+         marked AS ( \
            INSERT INTO streampos.frontier_marks (stream_name, marked_at, position) \
            SELECT $1, pg_catalog.clock_timestamp(), \
                   $2::pg_catalog.text::streampos.multi_writer_token \
            WHERE EXISTS (SELECT FROM streampos.consumer_positions c \
                          WHERE c.stream_name OPERATOR(pg_catalog.=) $1) \
-           ON CONFLICT DO NOTHING) \
-         DELETE FROM streampos.frontier_marks m \
-         USING (SELECT (SELECT streampos.safe_to_delete(s.stream_name) \
-                        FROM streampos.streams s \
-                        WHERE s.stream_name OPERATOR(pg_catalog.=) $1) AS safe) k \
-         WHERE m.stream_name OPERATOR(pg_catalog.=) $1 \
-           AND (k.safe IS NULL \
-                OR streampos.is_before_or_eq(m.position, k.safe) \
-                OR EXISTS ( \
-                  SELECT FROM (SELECT CASE \
-                      WHEN m.marked_at OPERATOR(pg_catalog.<) \
-                           (pg_catalog.now() OPERATOR(pg_catalog.-) '1 day'::pg_catalog.interval) \
-                        THEN 'hour' \
-                      WHEN m.marked_at OPERATOR(pg_catalog.<) \
-                           (pg_catalog.now() OPERATOR(pg_catalog.-) '1 hour'::pg_catalog.interval) \
-                        THEN 'minute' END AS unit) b, \
-                    streampos.frontier_marks n \
-                  WHERE n.stream_name OPERATOR(pg_catalog.=) m.stream_name \
-                    AND n.marked_at OPERATOR(pg_catalog.>) m.marked_at \
-                    AND n.marked_at OPERATOR(pg_catalog.<) \
-                        (pg_catalog.date_trunc(b.unit, m.marked_at) OPERATOR(pg_catalog.+) \
-                         ('1 ' OPERATOR(pg_catalog.||) b.unit)::pg_catalog.interval)))",
+           ON CONFLICT DO NOTHING \
+           RETURNING true), \
+         pruned AS ( \
+           DELETE FROM streampos.frontier_marks m USING safe k \
+           WHERE m.stream_name OPERATOR(pg_catalog.=) $1 \
+             AND (k.safe IS NULL \
+                  OR streampos.is_before_or_eq(m.position, k.safe) \
+                  OR EXISTS ( \
+                    SELECT FROM (SELECT CASE \
+                        WHEN m.marked_at OPERATOR(pg_catalog.<) \
+                             (pg_catalog.now() OPERATOR(pg_catalog.-) '1 day'::pg_catalog.interval) \
+                          THEN 'hour' \
+                        WHEN m.marked_at OPERATOR(pg_catalog.<) \
+                             (pg_catalog.now() OPERATOR(pg_catalog.-) '1 hour'::pg_catalog.interval) \
+                          THEN 'minute' END AS unit) b, \
+                      streampos.frontier_marks n \
+                    WHERE n.stream_name OPERATOR(pg_catalog.=) m.stream_name \
+                      AND n.marked_at OPERATOR(pg_catalog.>) m.marked_at \
+                      AND n.marked_at OPERATOR(pg_catalog.<) \
+                          (pg_catalog.date_trunc(b.unit, m.marked_at) OPERATOR(pg_catalog.+) \
+                           ('1 ' OPERATOR(pg_catalog.||) b.unit)::pg_catalog.interval))) \
+           RETURNING true) \
+         SELECT pg_catalog.count(*) FROM marked",
         &[stream.into(), token.into()],
     );
-    true
+    Some(marked.unwrap_or(0) > 0)
 }
 
 /// Mark `token` (token text) of the stream as passed now, in the caller's

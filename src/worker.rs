@@ -184,8 +184,8 @@ const IDLE_EXIT_MS: u64 = 2000;
 struct WorkerState {
     /// The token last stored per stream key.
     written: HashMap<i32, String>,
-    /// The token last marked per stream key (`frontier_marks`), and when.
-    marked: HashMap<i32, (String, Instant)>,
+    /// What the worker last did about each stream key's marks.
+    marked: HashMap<i32, LastMark>,
     orphans: Orphans,
     /// Per stream key: the frontier last seen, and since when it is held
     /// back (0: it is not).
@@ -440,24 +440,50 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
 /// within it (and a busy stream adds at most one row a second).
 const MARK_INTERVAL: Duration = Duration::from_secs(1);
 
+/// A token not marked because the stream had no consumers is tried again
+/// after this long even if it has not moved: a consumer registered since
+/// (as the pass saw it, not yet committed) is behind it.
+const UNMARKED_RECHECK: Duration = Duration::from_secs(10);
+
+/// What the worker last did about a stream's marks.
+struct LastMark {
+    token: String,
+    at: Instant,
+    /// A mark was inserted (false: the stream had no consumers).
+    inserted: bool,
+}
+
 /// Mark the stream's current token in `frontier_marks` (for its consumers'
 /// lag in time) when it moved since the last mark, at most once a
 /// `MARK_INTERVAL`.
-fn mark_frontier(marked: &mut HashMap<i32, (String, Instant)>, key: i32, name: &str, token: &str) {
-    if marked
-        .get(&key)
-        .is_some_and(|(t, at)| t == token || at.elapsed() < MARK_INTERVAL)
-    {
-        return;
+fn mark_frontier(marked: &mut HashMap<i32, LastMark>, key: i32, name: &str, token: &str) {
+    if let Some(last) = marked.get(&key) {
+        let wait = if last.token == token {
+            if last.inserted {
+                return;
+            }
+            UNMARKED_RECHECK
+        } else {
+            MARK_INTERVAL
+        };
+        if last.at.elapsed() < wait {
+            return;
+        }
     }
     let what = format!("marking the frontier of stream \"{name}\"");
     // A failed or put-off mark is tried again after the interval, not at
     // every pass (nor logged at every pass).
-    let done = in_subtransaction(&what, || sql::mark_frontier(name, token)) == Some(true);
-    let last = if done {
-        token.to_string()
-    } else {
-        String::new()
+    let last = match in_subtransaction(&what, || sql::mark_frontier(name, token)).flatten() {
+        Some(inserted) => LastMark {
+            token: token.to_string(),
+            at: Instant::now(),
+            inserted,
+        },
+        None => LastMark {
+            token: String::new(),
+            at: Instant::now(),
+            inserted: false,
+        },
     };
-    marked.insert(key, (last, Instant::now()));
+    marked.insert(key, last);
 }

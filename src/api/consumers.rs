@@ -9,6 +9,7 @@ use streampos_core::token::{Token, TokenKind};
 
 use super::reading::token_of;
 use crate::catalog::{self, StreamMeta};
+use crate::engine;
 use crate::error::{clip, Error, OrRaise};
 use crate::sql;
 use crate::types::MultiWriterToken;
@@ -186,11 +187,13 @@ fn register_consumer(
     let me = unsafe { pg_sys::GetUserId() };
     let text = position.to_text(TokenKind::MultiWriter);
     if let Some(stored) = sql::insert_consumer(stream, consumer, me, &text) {
-        // Behind the current token: its lag in time counts from now (the
-        // position worker marks the token only when it moves).
-        let current = token_of(stream);
-        if !current.is_before_or_eq(&position) {
-            sql::insert_mark(stream, &current.to_text(TokenKind::MultiWriter));
+        // Behind the stream's token as last committed (the caller's
+        // snapshot may be older): its lag in time counts from now at the
+        // latest. The position worker marks a token only when it moves, and
+        // sees this consumer only once this transaction commits.
+        let latest = latest_token(&meta);
+        if !latest.is_before_or_eq(&position) {
+            sql::insert_mark(stream, &latest.to_text(TokenKind::MultiWriter));
         }
         return Some(MultiWriterToken(parse_stored(&stored)));
     }
@@ -207,6 +210,13 @@ fn register_consumer(
         }
         .report(),
     }
+}
+
+/// The stream's current token for the latest snapshot.
+fn latest_token(meta: &StreamMeta) -> Token {
+    // SAFETY: called inside a running transaction.
+    let answer = engine::fresh_answer(meta, unsafe { pg_sys::GetLatestSnapshot() });
+    answer.positions.token(&engine::writer_ids(meta, &answer))
 }
 
 /// Registering a name already registered: its position, if the caller may

@@ -482,8 +482,8 @@ def marks(conn, stream):
     )
 
 
-def wait_for_mark(conn, stream, token):
-    wait_until(lambda: (token,) in marks(conn, stream), timeout=10, message=f"a mark of {token}")
+def wait_for_mark(conn, stream, token, timeout=10):
+    wait_until(lambda: (token,) in marks(conn, stream), timeout=timeout, message=f"a mark of {token}")
 
 
 def test_lag_in_time_counts_from_when_unacknowledged_rows_became_readable(connect, stream):
@@ -557,6 +557,60 @@ def test_a_consumer_registered_behind_an_idle_stream_shows_its_lag(connect, stre
     register(db, stream, "current")
     assert lags(db, stream)["current"] == (0, 0.0)
     assert marks(db, stream) == [("3",)]
+
+
+def test_a_registration_behind_what_its_snapshot_saw_shows_its_lag(connect, stream):
+    """A REPEATABLE READ registration starts at its snapshot's token, below
+    what writers committed since (the worker, seeing no consumer yet, marks
+    nothing): the registration marks the token as last committed."""
+    db, registrar = connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1")
+    registrar.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert one(registrar, "SELECT streampos.current_token(%s)::text", (stream,)) == "1"
+    write(db, stream, "w1", 2)
+    time.sleep(1.2)  # the worker's pass saw token 3, with no consumer
+    assert register(registrar, stream, "c") == "1"
+    registrar.execute("COMMIT")
+    assert marks(db, stream) == [("3",)]
+    time.sleep(1.2)
+    ids, seconds = lags(db, stream)["c"]
+    assert ids == 2 and seconds >= 1.1
+
+
+def test_a_token_passed_while_a_registration_was_uncommitted_is_marked(connect, stream):
+    """A READ COMMITTED registration at the current token, and a commit of
+    the stream before the registration commits: the worker's pass sees the
+    stream move with no consumer, and marks that token again within ten
+    seconds once the consumer is there (the stream idle since)."""
+    db, registrar = connect(), connect()
+    setup_stream(db, stream)
+    # Another stream keeps the database busy: the worker stays.
+    busy = f"{stream}_busy"
+    create_stream(db, busy)
+    stop = threading.Event()
+
+    def keep_busy():
+        with connect_raw() as w:
+            while not stop.is_set():
+                w.execute("SELECT streampos.next_id(%s, 'w')", (busy,))
+                time.sleep(0.2)
+
+    keeper = threading.Thread(target=keep_busy)
+    keeper.start()
+    try:
+        write(db, stream, "w1")
+        registrar.execute("BEGIN")
+        assert register(registrar, stream, "c") == "1"
+        write(db, stream, "w1")
+        time.sleep(1.5)  # the worker's pass saw token 2, with no consumer
+        registrar.execute("COMMIT")
+        assert marks(db, stream) == []
+        wait_for_mark(db, stream, "2", timeout=20)
+        assert lags(db, stream)["c"][0] == 1
+    finally:
+        stop.set()
+        keeper.join()
 
 
 def test_lag_is_counted_at_the_statement_and_never_below_zero(connect, stream):
