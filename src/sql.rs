@@ -1900,9 +1900,13 @@ pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
         return None;
     }
     // `safe` once for the statement (MATERIALIZED): as a joined subquery
-    // the planner called safe_to_delete() for every mark.
+    // the planner called safe_to_delete() for every mark. Only for a
+    // stream this statement sees (NULL for one dropped since the pass
+    // began: safe_to_delete() would raise 42704).
     let marked = update_one::<i64>(
-        "WITH safe AS MATERIALIZED (SELECT streampos.safe_to_delete($1) AS safe), \
+        "WITH safe AS MATERIALIZED ( \
+           SELECT (SELECT streampos.safe_to_delete(s.stream_name) FROM streampos.streams s \
+                   WHERE s.stream_name OPERATOR(pg_catalog.=) $1) AS safe), \
          marked AS ( \
            INSERT INTO streampos.frontier_marks (stream_name, marked_at, position) \
            SELECT $1, pg_catalog.clock_timestamp(), \

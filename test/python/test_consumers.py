@@ -530,7 +530,16 @@ def test_lag_in_time_counts_from_when_unacknowledged_rows_became_readable(connec
     ack(db, stream, "slow", one(db, "SELECT streampos.current_token(%s)::text", (stream,)))
     ack(db, stream, "quick", "6")
     write(db, stream, "w1")
-    wait_until(lambda: marks(db, stream) == [("7",)], timeout=10, message="only the newest mark left")
+    seen = []
+
+    def only_the_newest_mark():
+        seen[:] = marks(db, stream)
+        return seen == [("7",)]
+
+    try:
+        wait_until(only_the_newest_mark, timeout=10, message="only the newest mark left")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; marks: {seen}") from None
     db.execute("SELECT streampos.unregister_consumer(%s, 'slow')", (stream,))
     db.execute("SELECT streampos.unregister_consumer(%s, 'quick')", (stream,))
     write(db, stream, "w1")
