@@ -214,12 +214,8 @@ def test_a_standby_tells_a_consumers_lag_from_the_replicated_marks(connect, stre
         )
         query = ("SELECT lag_ids, extract(epoch FROM now() - lag_time)::float8 FROM streampos.consumers "
                  "WHERE stream_name = %s AND consumer_name = 'pusher'")
-        on_primary, on_standby = one_row(primary, query, (stream,)), one_row(replica, query, (stream,))
+        on_primary, on_standby = rows(primary, query, (stream,))[0], rows(replica, query, (stream,))[0]
         assert on_primary[0] == on_standby[0] == 1
         # The same mark: lag_time counts from the same moment.
         assert on_standby[1] == pytest.approx(on_primary[1], abs=0.01)
         expect_error(replica, "SELECT streampos.wait_for_consumer(%s, 'pusher', 100)", (stream,), sqlstate="0A000")
-
-
-def one_row(conn, sql, params):
-    return conn.execute(sql, params).fetchone()
