@@ -49,13 +49,36 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
         Some((range, _)) if max <= range.ceiling => range.have.min(max),
         _ => max,
     };
+    let orphaned_from = prepared_floor(meta).filter(|&floor| floor <= highest);
     // False: the state went to another stream meanwhile, which only
     // happens to a dropped stream's state (looking again would take a
     // state for a stream that is gone).
-    if !registry::set_loaded(index, meta.key, meta.seq, highest, &stored, &lost).or_raise() {
+    if !registry::set_loaded(index, meta.key, meta.seq, highest, &stored, &lost, orphaned_from)
+        .or_raise()
+    {
         dropped_concurrently(meta)
     }
     index
+}
+
+/// What a start leaves that may still commit rows for an ID: a prepared
+/// transaction survives every start (a crash, a clean restart, a promotion,
+/// recovery to a point in time) and may hold the row of an ID that a hold
+/// gave out before, in a session that is gone (docs/design.md, "What
+/// outlives a start"). While this database has one when the stream is
+/// first used, every ID above what was stored as finished (the stored
+/// frontier, never ahead of the truth; else the lowest stored position)
+/// is in flight, until the transactions running then have ended. None:
+/// no prepared transaction, nothing is in flight after a start.
+fn prepared_floor(meta: &StreamMeta) -> Option<i64> {
+    if !sql::prepared_transactions_here() {
+        return None;
+    }
+    let finished = sql::stored_frontier(&meta.name)
+        .or_else(|| sql::stored_positions(&meta.name).into_iter().map(|(_, p)| p).min())
+        .unwrap_or(0)
+        .max(0);
+    Some(finished.saturating_add(1))
 }
 
 /// The stream's lost ranges (registry/history.rs): the marks of every

@@ -119,6 +119,13 @@ pub enum Error {
     /// the caller.
     #[error("table {0} has row-level security enabled")]
     RowSecurity(String),
+    /// An ID column that does not compare with the stream's bigint IDs.
+    #[error("column \"{column}\" of table {table} is of type {type_name}, not an integer type")]
+    IdColumnType {
+        column: Name,
+        table: String,
+        type_name: String,
+    },
     /// A registered relation that is not (or no longer) a table.
     #[error("{relation} is not a table")]
     NotATable { relation: String, kind: String },
@@ -229,6 +236,7 @@ impl Error {
             | Error::RowSecurity(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::NotATable { .. } => Code::ERRCODE_WRONG_OBJECT_TYPE,
             Error::ColumnType { .. } => Code::ERRCODE_DATATYPE_MISMATCH,
+            Error::IdColumnType { .. } => Code::ERRCODE_DATATYPE_MISMATCH,
             Error::LockTimeout { .. } => Code::ERRCODE_LOCK_NOT_AVAILABLE,
             Error::InvalidArgument { .. } => Code::ERRCODE_INVALID_PARAMETER_VALUE,
             Error::UnknownColumn { .. } => Code::ERRCODE_UNDEFINED_COLUMN,
@@ -321,6 +329,7 @@ impl Error {
                 "streampos reads ID and instance columns only of built-in types (looking through domains): the casts and operators of another type are code its owner wrote."
                     .into(),
             ),
+            Error::IdColumnType { .. } => Some(ID_COLUMN_TYPES.into()),
             Error::LockTimeout { detail, .. } => Some(detail.clone()),
             Error::NotSynapse { missing, .. } => Some(missing.clone()),
             Error::InstanceConflict(_) => Some(
@@ -396,3 +405,8 @@ impl<T, E: Into<Error>> OrRaise<T> for Result<T, E> {
         }
     }
 }
+
+/// Why an ID column must be of an integer type (the DETAIL of its error,
+/// and check_stream's advice).
+pub const ID_COLUMN_TYPES: &str =
+    "A stream's IDs are bigint: its tables' ID columns must be smallint, integer or bigint (or a domain over one).";

@@ -14,7 +14,8 @@
 //! | `types.rs` | the token types (varlena I/O, operators' functions) |
 //! | `catalog.rs` | the stream catalog with a per-backend cache |
 //! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
-//! | `sql.rs` | every internal SQL statement (the one SPI boundary) |
+//! | `sql.rs` | every internal SQL statement (the one SPI boundary), and the switch to another role |
+//! | `session.rs` | what another role's code may leave in the caller's session (advisory locks), released |
 //! | `ffi.rs` | C functions declared by hand |
 //! | `fast_hash.rs` | the hasher of the per-backend caches |
 //! | `guc.rs`, `error.rs` | settings; every user-facing error with its SQLSTATE |
@@ -33,6 +34,7 @@ mod guc;
 mod held_back;
 mod registry;
 mod sequence;
+mod session;
 mod sql;
 mod types;
 mod worker;

@@ -40,28 +40,41 @@ fn spi<T>(result: SpiResult<T>) -> T {
     }
 }
 
-/// Run `f` with `search_path = pg_catalog, pg_temp`. The setting is
-/// restored afterwards, or by the abort of the (sub)transaction when `f`
-/// raises an ERROR.
+/// Run `f` with `search_path = pg_catalog, pg_temp`, in a GUC nest level
+/// that is discarded afterwards: whatever `f` runs (an internal statement,
+/// and through it any function it calls) leaves no setting behind, not even
+/// one made with a plain `SET` or `set_config(…, false)`, as PostgreSQL's
+/// maintenance commands discard theirs. On ERROR the (sub)transaction's
+/// abort discards the level itself.
 fn with_safe_path<T>(f: impl FnOnce() -> T) -> T {
     // SAFETY: a GUC nest level is opened and closed around `f`; on ERROR,
     // transaction abort unwinds GUC nest levels itself.
     unsafe {
         let level = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            c"pg_catalog, pg_temp".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
+        restrict_search_path();
         let value = f();
-        pg_sys::AtEOXact_GUC(true, level);
+        pg_sys::AtEOXact_GUC(false, level);
         value
     }
+}
+
+/// `search_path = pg_catalog, pg_temp` in the current GUC nest level, as
+/// PostgreSQL 17's `RestrictSearchPath()` sets it for maintenance commands
+/// (the same value and source, on every supported version).
+///
+/// # Safety
+/// The caller opened a GUC nest level that it closes.
+unsafe fn restrict_search_path() {
+    pg_sys::set_config_option(
+        c"search_path".as_ptr(),
+        c"pg_catalog, pg_temp".as_ptr(),
+        pg_sys::GucContext::PGC_USERSET,
+        pg_sys::GucSource::PGC_S_SESSION,
+        pg_sys::GucAction::GUC_ACTION_SAVE,
+        true,
+        0,
+        false,
+    );
 }
 
 /// Longest a catalog change waits for a lock that other sessions queue
@@ -96,7 +109,7 @@ pub fn with_lock_wait_bound<T>(f: impl FnOnce() -> T) -> T {
             false,
         );
         let result = f();
-        pg_sys::AtEOXact_GUC(true, level);
+        pg_sys::AtEOXact_GUC(false, level);
         result
     }
 }
@@ -195,24 +208,37 @@ fn extension_owner() -> pg_sys::Oid {
     .unwrap_or_else(|| Error::Internal("extension streampos is not installed".into()).report())
 }
 
-/// Run `f` as `role`, in a security-restricted operation (no SET ROLE, no
-/// temporary objects, GUC changes undone). The caller's identity is
-/// restored afterwards, or by the abort of the (sub)transaction on ERROR.
+/// Run `f` as `role` exactly as PostgreSQL's maintenance commands run a
+/// table owner's code (`vacuum_rel`, `do_analyze_rel`, `DefineIndex`,
+/// amcheck; docs/design.md, "Running another role's code"): the user id
+/// switched in a security-restricted operation (no SET ROLE, no temporary
+/// objects, no PREPARE, LISTEN or DISCARD), a GUC nest level opened with
+/// the restricted search path and discarded at the end (no setting the
+/// role's code makes survives, whatever its kind), and session-level
+/// advisory locks it took released (`session::Guard`). The caller's
+/// identity is restored afterwards, or by the abort of the
+/// (sub)transaction on ERROR, which also discards the nest level.
 fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
     // SAFETY: the user id and security context are saved and restored
-    // around `f`; on ERROR, (sub)transaction abort restores them itself.
+    // around `f`, the GUC nest level opened and closed inside them, as
+    // vacuum_rel does; on ERROR, (sub)transaction abort restores both.
     unsafe {
         let mut saved_user = pg_sys::InvalidOid;
         let mut saved_context = 0;
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
+        let guard = crate::session::Guard::begin(role, saved_user);
         pg_sys::SetUserIdAndSecContext(
             role,
             saved_context
                 | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
                 | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
         );
+        let level = pg_sys::NewGUCNestLevel();
+        restrict_search_path();
         let value = f();
+        pg_sys::AtEOXact_GUC(false, level);
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
+        guard.end();
         value
     }
 }
@@ -368,6 +394,15 @@ pub fn built_in_type(type_oid: pg_sys::Oid) -> bool {
         let element = pg_sys::get_element_type(base);
         element == pg_sys::InvalidOid || built_in_type(element)
     }
+}
+
+/// Does a column of `type_oid` compare with the stream's bigint IDs: a
+/// built-in integer type, or a domain over one?
+pub fn integer_type(type_oid: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache lookup; raises an ERROR only for a type that does
+    // not exist (a live column's type exists).
+    let base = unsafe { pg_sys::getBaseType(type_oid) };
+    base == pg_sys::INT8OID || base == pg_sys::INT4OID || base == pg_sys::INT2OID
 }
 
 /// A type's name, for messages.
@@ -757,6 +792,16 @@ pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
     )
 }
 
+/// Does this database have a prepared transaction now?
+pub fn prepared_transactions_here() -> bool {
+    select_one::<bool>(
+        "SELECT true FROM pg_catalog.pg_prepared_xacts p \
+         WHERE p.database OPERATOR(pg_catalog.=) pg_catalog.current_database() LIMIT 1",
+        &[],
+    )
+    .is_some()
+}
+
 /// The stored frontier (internal numbering), written with the positions.
 pub fn stored_frontier(stream: &str) -> Option<i64> {
     select_one(
@@ -1143,6 +1188,18 @@ fn registered_stream_tables(stream: &str) -> Vec<Result<StreamTable, Unusable>> 
                                 type_name(types[i])
                             ),
                             "streampos compares and casts ID and instance columns only of built-in types",
+                        ))
+                    }
+                    // One table whose ID column no longer compares with
+                    // bigint (altered to text) must not stop the stream.
+                    Some(i) if *column == id_column && !integer_type(types[i]) => {
+                        return Err(unusable(
+                            oid,
+                            format!(
+                                "column {column} of {name} is of type {}, not an integer type",
+                                type_name(types[i])
+                            ),
+                            crate::error::ID_COLUMN_TYPES,
                         ))
                     }
                     Some(_) => {}

@@ -170,7 +170,7 @@ fn yielding_locks<T>(f: impl FnOnce() -> T) -> T {
             false,
         );
         let value = f();
-        pg_sys::AtEOXact_GUC(true, level);
+        pg_sys::AtEOXact_GUC(false, level);
         value
     }
 }

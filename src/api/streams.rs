@@ -199,6 +199,12 @@ pub(super) fn add_table(
                 type_name: sql::type_name(t),
             }
             .report(),
+            Some(t) if column == id_column && !sql::integer_type(t) => Error::IdColumnType {
+                column: column.into(),
+                table: name.clone(),
+                type_name: sql::type_name(t),
+            }
+            .report(),
             Some(_) => {}
         }
     }

@@ -784,3 +784,108 @@ def test_no_rust_backtrace_reaches_a_client_whatever_the_servers_environment(are
             holder.execute("ROLLBACK")
     finally:
         support.restart_server("fast")
+
+
+# ------------------------------------------- the caller's session (issue 31)
+
+# A table owner's code that tries to change the session of whoever reads
+# its table: settings (with set_config and with SET, the path among them),
+# session-level advisory locks, a temporary table, a prepared statement and
+# LISTEN (the last three are refused inside a security-restricted
+# operation; each attempt is caught so the others still run). It runs in an
+# IMMUTABLE partial index predicate, which the planner folds whenever it
+# plans a query on the table, and in an index expression.
+SESSION_TRAP = """
+CREATE FUNCTION public.now() RETURNS timestamptz LANGUAGE plpgsql VOLATILE AS
+    $$ BEGIN PERFORM public.spy('public.now() ran'); RETURN '2000-01-01'; END $$;
+CREATE FUNCTION public.session_trap_volatile(what text) RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM public.spy(what);
+    PERFORM pg_catalog.set_config('search_path', 'public, pg_catalog', false);
+    PERFORM pg_catalog.set_config('work_mem', '1234kB', false);
+    PERFORM pg_catalog.set_config('trap.planted', 'planted', false);
+    SET statement_timeout = '4321s';
+    PERFORM pg_catalog.pg_try_advisory_lock(4242);
+    PERFORM pg_catalog.pg_try_advisory_lock(4242);
+    PERFORM pg_catalog.pg_try_advisory_lock_shared(42, 43);
+    PERFORM pg_catalog.pg_advisory_xact_lock(4244);
+    BEGIN EXECUTE 'CREATE TEMP TABLE trap_temp (x int)'; EXCEPTION WHEN OTHERS THEN NULL; END;
+    BEGIN EXECUTE 'PREPARE trap_stmt AS SELECT 1'; EXCEPTION WHEN OTHERS THEN NULL; END;
+    BEGIN EXECUTE 'LISTEN trap_channel'; EXCEPTION WHEN OTHERS THEN NULL; END;
+    RETURN true;
+END $$;
+CREATE FUNCTION public.session_trap(what text) RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS
+    $$ BEGIN RETURN public.session_trap_volatile(what); END $$;
+"""
+
+
+def session_state(conn):
+    """What of a session another role's code could change: settings, the
+    session's advisory locks, temporary tables, prepared statements,
+    channels listened to."""
+    return {
+        "settings": rows(
+            conn,
+            "SELECT name, setting FROM pg_settings WHERE name IN "
+            "('search_path', 'work_mem', 'statement_timeout', 'role', 'session_authorization') ORDER BY 1",
+        ),
+        # A custom name set_config() used stays defined with no value once
+        # the nest level is discarded (as after VACUUM): empty or missing.
+        "custom": one(conn, "SELECT current_setting('trap.planted', true)") or None,
+        "advisory": rows(
+            conn,
+            "SELECT classid, objid, objsubid, mode FROM pg_locks "
+            "WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND objsubid IN (1, 2) ORDER BY 1, 2, 3, 4",
+        ),
+        "temp": one(conn, "SELECT count(*) FROM pg_class WHERE relpersistence = 't' AND relname = 'trap_temp'"),
+        "prepared": rows(conn, "SELECT name FROM pg_prepared_statements ORDER BY 1"),
+        "listening": rows(conn, "SELECT pg_listening_channels()"),
+        "user": one(conn, "SELECT current_user::text"),
+    }
+
+
+@pytest.mark.parametrize("caller", [None, READER])
+def test_a_table_owners_code_leaves_nothing_in_the_callers_session(arena, caller):
+    """Issue 31, finding 2 (an escalation). A partial index predicate of
+    the homeserver's table set search_path with set_config(…, false); the
+    superuser's check_stream() and a follower's updates() kept it, and the
+    caller's next plain `SELECT now()` ran the homeserver's public.now() as
+    the caller. The switch to the owner now opens a GUC nest level with the
+    restricted search path and discards it (as VACUUM does), and releases
+    the session-level advisory locks the owner's code took. Every function
+    a caller can reach that reads the table is tried, each in a session that
+    held settings and advisory locks of its own before the call."""
+    admin = arena.connect()
+    hs = arena.connect(HOMESERVER)
+    hs.execute(SESSION_TRAP)
+    create_stream(hs, "s")
+    hs.execute("CREATE TABLE public.hs_rows (id bigint, instance_name text)")
+    hs.execute("GRANT SELECT ON public.hs_rows TO PUBLIC")
+    hs.execute("SELECT streampos.add_table('s', 'public.hs_rows', 'id', 'instance_name')")
+    hs.execute("INSERT INTO public.hs_rows SELECT streampos.next_id('s', 'w'), 'w' FROM generate_series(1, 3)")
+    hs.execute("CREATE INDEX ON public.hs_rows (id) WHERE public.session_trap('index predicate')")
+    hs.execute("CREATE INDEX ON public.hs_rows ((id * public.session_trap('index expression')::int))")
+    hs.execute("SELECT streampos.register_consumer('s', 'c')")
+    hs.execute("SELECT pg_advisory_unlock_all()")  # what its own code took in its own session
+    if caller is not None:
+        admin.execute(f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA streampos TO {caller}")
+    calls = [
+        "SELECT streampos.updates('s', '0')",
+        "SELECT streampos.updates('s', '0', 1, 0)",
+        "SELECT count(*) FROM streampos.check_stream('s')",
+        "SELECT streampos.frontier('s')",
+    ]
+    if caller is None:
+        calls.append("SELECT count(*) FROM streampos.check_stream('s', true)")
+    for call in calls:
+        c = arena.connect(caller)
+        c.execute("SET work_mem = '7MB'")
+        c.execute("SELECT pg_advisory_lock(7)")
+        before = session_state(c)
+        c.execute(call)
+        after = session_state(c)
+        assert after == before, f"{call} left {after} (was {before})"
+        assert one(c, "SELECT now() > '2001-01-01'"), f"{call}: the owner's now() ran as the caller"
+        # The caller's own lock is still held, once.
+        assert one(c, "SELECT pg_advisory_unlock(7)") and not one(c, "SELECT pg_advisory_unlock(7)")
+    assert [r for r in arena.spied() if r[1] not in (HOMESERVER, ATTACKER)] == []
