@@ -53,8 +53,16 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
     // False: the state went to another stream meanwhile, which only
     // happens to a dropped stream's state (looking again would take a
     // state for a stream that is gone).
-    if !registry::set_loaded(index, meta.key, meta.seq, highest, &stored, &lost, orphaned_from)
-        .or_raise()
+    if !registry::set_loaded(
+        index,
+        meta.key,
+        meta.seq,
+        highest,
+        &stored,
+        &lost,
+        orphaned_from,
+    )
+    .or_raise()
     {
         dropped_concurrently(meta)
     }
@@ -75,7 +83,12 @@ fn prepared_floor(meta: &StreamMeta) -> Option<i64> {
         return None;
     }
     let finished = sql::stored_frontier(&meta.name)
-        .or_else(|| sql::stored_positions(&meta.name).into_iter().map(|(_, p)| p).min())
+        .or_else(|| {
+            sql::stored_positions(&meta.name)
+                .into_iter()
+                .map(|(_, p)| p)
+                .min()
+        })
         .unwrap_or(0)
         .max(0);
     Some(finished.saturating_add(1))

@@ -43,7 +43,10 @@ fn with_page<T>(
     // would make that panic abort the process.
     let (kind, persistence, value) = unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        let rel = pg_sys::relation_open(seq, lock);
+        let rel = pg_sys::try_relation_open(seq, lock);
+        if rel.is_null() {
+            Error::SequenceDropped(seq.to_u32()).report();
+        }
         let kind = (*(*rel).rd_rel).relkind as u8;
         let persistence = (*(*rel).rd_rel).relpersistence as u8;
         let usable = match need {
@@ -131,9 +134,32 @@ pub fn check_usable(seq: pg_sys::Oid) {
     with_page(seq, Need::Permanent, |_| ());
 }
 
+/// Does relation `seq` exist (a stream's sequence goes with the table of
+/// its bigserial when that is dropped)?
+pub fn exists(seq: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache lookup; raises no error.
+    unsafe {
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(seq),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
+/// Refuse (55000) a stream whose sequence no longer exists.
+pub fn require_exists(seq: pg_sys::Oid) {
+    if !exists(seq) {
+        Error::SequenceDropped(seq.to_u32()).report();
+    }
+}
+
 /// Refuse an allocation the caller may not make: `nextval` needs USAGE or
 /// UPDATE on the sequence, and so does `next_id`.
 pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
+    require_exists(seq);
     // SAFETY: a catalog lookup for the current role; raises an ERROR itself
     // only for a missing relation.
     let result = unsafe {
@@ -168,6 +194,7 @@ pub fn is_owner(seq: pg_sys::Oid, role: pg_sys::Oid) -> bool {
 /// against allocation: `setval` needs UPDATE, and a caller without it must
 /// not be able to block the stream's writers.
 pub fn check_may_repair(seq: pg_sys::Oid, stream: &str) {
+    require_exists(seq);
     // SAFETY: as in `check_may_allocate`.
     let result = unsafe {
         pg_sys::pg_class_aclcheck(

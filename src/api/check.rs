@@ -27,6 +27,18 @@ pub(super) fn check_stream(
     if repair && in_recovery() {
         Error::Recovery("repair a stream").report();
     }
+    // Dropped with the table of its bigserial: nothing else can be checked,
+    // and nothing repaired (the stream's IDs are gone with it).
+    if !sequence::exists(meta.seq) {
+        return TableIterator::new(vec![(
+            "sequence".to_string(),
+            false,
+            format!(
+                "the stream's sequence (oid {}) was dropped; streampos.drop_stream() forgets the stream",
+                meta.seq.to_u32()
+            ),
+        )]);
+    }
     let mut checked = checks(&meta);
     // What was read may be a moment old: a writer can have taken values and
     // committed rows since the sequence was read, and moving the sequence

@@ -1,0 +1,169 @@
+"""Trust, round 4 (issue 31): what a fourth adversary broke in 0.3.0, each
+reproduction kept as a test. The escalation through the caller's settings
+(finding 2) is in test_untrusted.py with the other untrusted-object
+attacks; the trap fixture (traps.py) checks its whole class in every test.
+"""
+
+import time
+
+import psycopg
+import pytest
+
+import support
+from support import (
+    commit_ids,
+    create_stream,
+    expect_error,
+    frontier,
+    one,
+    rows,
+    wait_until,
+)
+
+
+def hold(conn, stream, writer, n=1):
+    return one(conn, "SELECT streampos.hold_ids(%s, %s, %s)", (stream, writer, n))
+
+
+def needs_prepared_transactions(conn):
+    if int(one(conn, "SHOW max_prepared_transactions")) == 0:
+        pytest.skip("max_prepared_transactions = 0")
+
+
+# ------------------------------------------ finding 1: what outlives a start
+
+
+@pytest.mark.restarts_server
+@pytest.mark.parametrize("stop", ["immediate", "fast"])
+def test_a_prepared_row_of_a_held_id_is_not_passed_after_a_start(connect, db, stream, stop):
+    """Finding 1. A session holds ID 1; another transaction writes its row
+    and PREPAREs; another writer commits ID 2; the server stops (a crash, or
+    a clean stop) and starts. The hold is gone with its session, but the
+    prepared transaction is not: 0.3.0 answered frontier = the sequence's
+    value (33 after a crash) with row 1 invisible, and COMMIT PREPARED then
+    put row 1 below a frontier a reader had been given. Now every ID above
+    the stored frontier stays in flight until the transactions that were
+    running at the stream's first use (the prepared one among them) end."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    writer = connect()
+    gid = f"{stream}_gid"
+    writer.execute("BEGIN")
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    try:
+        assert commit_ids(db, stream, "w") == [held + 1]
+        # The position worker stores what it saw (the frontier held at 0).
+        support.flush_wal(db)
+        time.sleep(1.2)
+        support.restart_server(stop)
+        with support.connect_raw() as c:
+            for _ in range(3):
+                f = frontier(c, stream)
+                seen = one(c, f"SELECT count(*) FROM {table} WHERE id <= %s", (f,))
+                assert f < held, f"frontier {f} passed ID {held}, whose row a prepared transaction holds"
+                time.sleep(0.5)
+            c.execute(f"COMMIT PREPARED '{gid}'")
+            gid = None
+            wait_until(lambda: frontier(c, stream) >= held + 1, timeout=10, message="the release after the commit")
+            f = frontier(c, stream)
+            assert one(c, f"SELECT count(*) FROM {table} WHERE id <= %s", (f,)) == 1
+            assert seen == 0
+    finally:
+        if gid is not None:
+            with support.connect_raw() as c:
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+@pytest.mark.restarts_server
+def test_a_start_without_prepared_transactions_holds_nothing(connect, db, stream):
+    """The other side of finding 1's fix: with no prepared transaction, a
+    crash leaves nothing in flight (the frontier is the sequence's value at
+    once), and a prepared transaction of another database does not hold
+    this one."""
+    create_stream(db, stream)
+    commit_ids(db, stream, "w", 2)
+    support.restart_server("immediate")
+    with support.connect_raw() as c:
+        seq_value = one(c, "SELECT streampos.max_allocated(%s)", (stream,))
+        assert frontier(c, stream) == seq_value
+
+
+# ------------------------------------------- finding 3: an ID column's type
+
+
+def test_an_id_column_that_does_not_compare_with_bigint_is_refused(db, stream):
+    """Finding 3. add_table accepted a text or boolean ID column, and every
+    updates() of the stream then failed with 42883. Now it is refused
+    (42804) with what the column must be."""
+    create_stream(db, stream)
+    for kind in ("text", "boolean", "numeric", "timestamptz"):
+        table = f"{stream}_{kind}"
+        db.execute(f"CREATE TABLE {table} (id {kind}, instance_name text)")
+        err = expect_error(
+            db, "SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table), sqlstate="42804"
+        )
+        assert err.diag.message_primary == (
+            f'column "id" of table public.{table} is of type '
+            f"{one(db, 'SELECT %s::regtype::text', (kind,))}, not an integer type"
+        )
+        assert err.diag.message_detail.startswith("A stream's IDs are bigint")
+    for kind in ("smallint", "integer", "bigint"):
+        table = f"{stream}_{kind}"
+        db.execute(f"CREATE TABLE {table} (id {kind}, instance_name text)")
+        db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+
+
+@pytest.mark.restarts_server
+def test_a_registered_id_column_altered_to_text_stops_only_its_table(connect, db, stream):
+    """Finding 3. A registered table's ID column altered to text made every
+    updates() of the stream fail (its good tables and every consumer too),
+    check_stream say all was well, and next_id fail after a restart
+    that starts a new history. Now updates() skips that table and serves the
+    others, check_stream reports it, and allocation is not affected."""
+    create_stream(db, stream)
+    good, bad = f"{stream}_good", f"{stream}_bad"
+    for t in (good, bad):
+        db.execute(f"CREATE TABLE {t} (id bigint, instance_name text)")
+        db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, t))
+    for _ in range(2):
+        db.execute(f"INSERT INTO {good} SELECT streampos.next_id(%s, 'w'), 'w'", (stream,))
+        db.execute(f"INSERT INTO {bad} SELECT streampos.next_id(%s, 'w'), 'w'", (stream,))
+    db.execute(f"ALTER TABLE {bad} ALTER COLUMN id TYPE text")
+    answer = one(db, "SELECT streampos.updates(%s, '0')", (stream,))
+    assert [h[0] for h in answer["data"] if isinstance(h[0], str)] == [f"public.{good}"]
+    checks = rows(db, "SELECT check_name, ok, detail FROM streampos.check_stream(%s)", (stream,))
+    failed = [(n, d) for n, ok, d in checks if not ok]
+    assert failed and any("not an integer type" in d for _, d in failed), checks
+    support.restart_server("immediate")
+    with support.connect_raw() as c:
+        assert one(c, "SELECT streampos.next_id(%s, 'w')", (stream,)) > 4
+        one(c, "SELECT streampos.updates(%s, '0')", (stream,))
+
+
+# --------------------------------------- finding 8: a sequence that is gone
+
+
+def test_a_stream_whose_sequence_was_dropped_is_reported_and_can_be_dropped(db, stream):
+    """Finding 8. A stream adopted on a bigserial's sequence whose table was
+    dropped: check_stream failed with XX000 ("could not open relation with
+    OID"). Now check_stream reports it, allocation is refused with 55000
+    and a hint, and drop_stream forgets the stream."""
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigserial, instance_name text)")
+    db.execute("SELECT streampos.adopt_stream(%s, %s)", (stream, f"{table}_id_seq"))
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    db.execute(f"DROP TABLE {table}")
+    for repair in (False, True):
+        checks = rows(db, "SELECT check_name, ok, detail FROM streampos.check_stream(%s, %s)", (stream, repair))
+        assert len(checks) == 1 and checks[0][:2] == ("sequence", False), checks
+        assert "was dropped" in checks[0][2]
+    err = expect_error(db, "SELECT streampos.next_id(%s, 'w')", (stream,), sqlstate="55000")
+    assert err.diag.message_primary.startswith("the sequence of a stream (oid ")
+    assert "drop_stream() forgets it" in err.diag.message_hint
+    db.execute("SELECT streampos.drop_stream(%s)", (stream,))
+    expect_error(db, "SELECT streampos.frontier(%s)", (stream,), sqlstate="42704")
