@@ -80,6 +80,12 @@ fn lookup_stream_index(key: i32, seq: pg_sys::Oid) -> Result<(usize, bool), Erro
         .all(|s| s.in_use);
     if full {
         forget_dropped_databases()?;
+        // A dropped stream's state is reclaimed once no finished entry
+        // refers to it, and entries leave the ring only when pruned: by the
+        // position worker of their database (gone with a dropped
+        // database) or when the ring is crowded. A full registry must not
+        // wait for either.
+        super::visibility::prune()?;
     }
     // Read before the lock (they take PostgreSQL's own locks): every
     // snapshot has an xmin at or past `horizon`; every transaction that

@@ -167,3 +167,43 @@ def test_a_stream_whose_sequence_was_dropped_is_reported_and_can_be_dropped(db, 
     assert "drop_stream() forgets it" in err.diag.message_hint
     db.execute("SELECT streampos.drop_stream(%s)", (stream,))
     expect_error(db, "SELECT streampos.frontier(%s)", (stream,), sqlstate="42704")
+
+
+# ------------------------------------- finding 4: a full registry empties
+
+
+def test_a_full_registry_of_a_dropped_databases_streams_empties_once_the_horizon_moves(connect, stream):
+    """Finding 4. Every stream slot taken by streams that committed IDs
+    while another session held an xid (so their finished entries stayed in
+    the ring), then dropped with their database: the entries were pruned
+    only by that database's position worker (gone) or a crowded ring, so
+    every new stream got 53400 for good. Now a full registry prunes before
+    it reclaims."""
+    db = connect()
+    size = int(one(db, "SHOW streampos.max_streams"))
+    horizon = connect()
+    horizon.execute("BEGIN")
+    one(horizon, "SELECT pg_current_xact_id()")
+    scratch = f"full_{stream}"[:60]
+    with support.connect_raw("postgres") as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{scratch}"')
+        admin.execute(f'CREATE DATABASE "{scratch}"')
+    try:
+        with support.connect_raw(scratch) as other:
+            other.execute("CREATE EXTENSION streampos")
+            full = None
+            for i in range(size + 1):
+                create_stream(other, f"s{i}")
+                try:
+                    other.execute("SELECT streampos.next_id(%s, 'w')", (f"s{i}",))
+                except psycopg.Error as e:
+                    full = e.diag.sqlstate
+                    break
+            assert full == "53400", "the registry never filled up"
+    finally:
+        with support.connect_raw("postgres") as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    horizon.execute("COMMIT")
+    create_stream(db, stream)
+    assert one(db, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 1
+    assert frontier(db, stream) == 1
