@@ -2001,13 +2001,20 @@ pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
 /// Mark `token` (token text) of the stream as passed now, in the caller's
 /// transaction: a consumer registered below the current token has rows
 /// to catch up on from now at least, while the position worker marks only
-/// tokens that move (see `mark_frontier`).
+/// tokens that move (see `mark_frontier`). Not when a mark at or past
+/// `token` exists already: the token has been past the consumer's position
+/// since that mark at least (so the lag stays within the truth), and
+/// registering and unregistering in a loop adds no row (marks are bounded
+/// by the worker's once a second and its thinning, not by registrations).
 pub fn insert_mark(stream: &str, token: &str) {
     as_owner(|| {
         run(
             "INSERT INTO streampos.frontier_marks (stream_name, marked_at, position) \
-             VALUES ($1, pg_catalog.clock_timestamp(), \
-                     $2::pg_catalog.text::streampos.multi_writer_token) \
+             SELECT $1, pg_catalog.clock_timestamp(), t.token \
+             FROM (SELECT $2::pg_catalog.text::streampos.multi_writer_token AS token) t \
+             WHERE NOT EXISTS (SELECT FROM streampos.frontier_marks m \
+                               WHERE m.stream_name OPERATOR(pg_catalog.=) $1 \
+                                 AND streampos.is_before_or_eq(t.token, m.position)) \
              ON CONFLICT DO NOTHING",
             &[stream.into(), token.into()],
         )
