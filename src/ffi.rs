@@ -24,6 +24,16 @@ extern "C-unwind" {
     pub fn hash_bytes_extended(k: *const u8, keylen: i32, seed: u64) -> u64;
 }
 
+extern "C-unwind" {
+    /// Is the client still connected (src/backend/libpq/pqcomm.c, since
+    /// PostgreSQL 14; `client_connection_check_interval` uses it)? A
+    /// follower's long-poll asks between its sleeps, so that a killed
+    /// client's backend does not wait out its timeout holding its
+    /// transaction and locks. Only for a backend with a client
+    /// (`MyProcPort`); called through `pg_guard_ffi_boundary`.
+    pub fn pq_check_connection() -> bool;
+}
+
 extern "C" {
     /// libc `kill`: with signal 0 it only asks whether a process exists
     /// (a position worker's slot whose process died must be taken over).

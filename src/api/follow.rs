@@ -147,9 +147,37 @@ fn wait_until<T>(
         }
         // Re-check at least every 100 ms: positions also move when the WAL
         // is flushed (IDs become durable), which broadcasts nothing.
-        let left = (deadline - now).as_millis().min(100) as i64;
+        // Rounded up: a wait of 0 ms would return at once (a spin).
+        let left = (deadline - now).as_micros().div_ceil(1000).clamp(1, 100) as i64;
         registry::wait_for_change(index, generation, left).or_raise();
+        end_if_client_gone();
     }
+}
+
+/// A follower whose client is gone (killed, its connection cut) ends its
+/// wait at once as PostgreSQL ends any command whose client it finds gone
+/// (FATAL "connection to client lost"), rather than waiting out its
+/// timeout while holding its transaction (a consumer's lock among what it
+/// holds). Asked between sleeps, at least every 100 ms.
+fn end_if_client_gone() {
+    // SAFETY: MyProcPort is set for a backend with a client (never for a
+    // background worker, which has no connection to check); the check is
+    // a poll of the socket, guarded (it may raise an ERROR on a failed
+    // wait); the interrupt flags are PostgreSQL's own, processed by the
+    // interrupt check that follows.
+    unsafe {
+        if pg_sys::MyProcPort.is_null()
+            || pg_sys::whereToSendOutput != pg_sys::CommandDest::DestRemote
+        {
+            return;
+        }
+        let connected = pg_sys::ffi::pg_guard_ffi_boundary(|| crate::ffi::pq_check_connection());
+        if !connected {
+            pg_sys::ClientConnectionLost = 1;
+            pg_sys::InterruptPending = 1;
+        }
+    }
+    pgrx::check_for_interrupts!();
 }
 
 thread_local! {
@@ -204,7 +232,12 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     } else {
         stream_id
     };
-    refuse_ahead(&meta, "target", target, || (stream_id.to_string(), None));
+    // One past the highest allocated ID is "anything new": a follower at
+    // position p waits for p + 1 (a timeout answers p: nothing yet). Only a
+    // target further out is beyond this server (72000: resynchronise).
+    refuse_ahead(&meta, "target", target.saturating_sub(1), || {
+        (stream_id.to_string(), None)
+    });
     refuse_lost_history(&meta, [target]);
     let reached = wait_until(index, timeout_ms, None, || {
         let f = answer_now(&meta).frontier();
@@ -259,10 +292,9 @@ fn wait_for_consumer(stream: &str, consumer: &str, timeout_ms: i32) -> MultiWrit
 
 // PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
 // which PostgreSQL refuses while a parallel plan runs in the query.
-// Not STRICT: `since` or `consumer` is given, the other NULL. Any other
-// NULL argument, or neither of the two, answers NULL as a STRICT function
-// would. Declared in sql/finalize.sql: a token argument's `DEFAULT NULL`
-// needs the type complete, which the generated functions come before. Its
+// Not STRICT: `since` or `consumer` is given, the other NULL (neither is
+// 22023). Any other NULL argument answers NULL as a STRICT function would.
+// Declared in sql/finalize.sql: a token argument's `DEFAULT NULL` needs the type complete, which the generated functions come before. Its
 // C symbol is new (`updates_v3_wrapper`): 0.2.0's declaration of the
 // four-argument function names `updates_wrapper`, below.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
@@ -289,7 +321,14 @@ fn updates_v3(
             catalog::stream(stream).or_raise();
             super::consumers::consumer_position(stream, consumer)
         }
-        (None, None) => return None,
+        (None, None) => Error::InvalidArgument {
+            message: "updates() needs since or consumer".into(),
+            detail: Some(
+                "Pass since => '0' to follow the stream from its beginning, a token updates() returned to go on, or consumer => the consumer's name."
+                    .into(),
+            ),
+        }
+        .report(),
     };
     Some(follow(stream, since, max_rows, timeout_ms))
 }

@@ -27,7 +27,12 @@ pub fn wait_for_change(stream: usize, seen: u64, timeout_ms: i64) -> Result<bool
         if now >= deadline {
             break false;
         }
-        let left = (deadline - now).as_millis().min(i32::MAX as u128) as i64;
+        // Rounded up: a sleep of 0 ms returns at once, and a loop on the
+        // last fraction of a millisecond would spin until the deadline.
+        let left = (deadline - now)
+            .as_micros()
+            .div_ceil(1000)
+            .clamp(1, i32::MAX as u128) as i64;
         // Wakes on broadcast, timeout, or an interrupt (which is then raised).
         // SAFETY: prepared above on the same condition variable.
         unsafe { pg_sys::ConditionVariableTimedSleep(cv, left, pg_sys::PG_WAIT_EXTENSION) };

@@ -133,8 +133,12 @@ def test_register_since_and_the_argument_rules(connect, stream):
         sqlstate="22023",
     )
     assert err.diag.message_primary == "updates() takes since or consumer, not both"
-    # NULL in, NULL out, as before; since alone still works positionally.
-    assert one(db, "SELECT streampos.updates(%s)", (stream,)) is None
+    # Neither since nor consumer: an error saying what to pass (issue 32;
+    # it answered NULL). Other NULLs in, NULL out, as before; since alone
+    # still works positionally.
+    err = expect_error(db, "SELECT streampos.updates(%s)", (stream,), sqlstate="22023")
+    assert err.diag.message_primary == "updates() needs since or consumer"
+    assert err.diag.message_detail.startswith("Pass since => '0' to follow the stream from its beginning")
     assert one(db, "SELECT streampos.register_consumer(NULL, 'c')") is None
     assert parse_rows(one(db, "SELECT streampos.updates(%s, '1')", (stream,)))[0] == "3"
     create_stream(db, f"{stream}_b", backwards=True)

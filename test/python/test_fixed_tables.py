@@ -220,5 +220,7 @@ def test_a_repeatable_read_follower_is_not_told_to_resynchronise(connect, db, st
     answer = one(follower, "SELECT streampos.updates(%s, '8')", (stream,))
     assert answer["token"] == "8" and answer["data"][0][2] == 0, answer
     follower.execute("COMMIT")
-    # Beyond what the server allocated: still refused.
-    expect_error(follower, "SELECT streampos.wait_for(%s, 9, 0)", (stream,), sqlstate="72000")
+    # One past what the server allocated is "anything new" (nothing yet:
+    # the frontier); beyond it, refused.
+    assert one(follower, "SELECT streampos.wait_for(%s, 9, 0)", (stream,)) == 8
+    expect_error(follower, "SELECT streampos.wait_for(%s, 10, 0)", (stream,), sqlstate="72000")

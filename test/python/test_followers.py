@@ -1,13 +1,17 @@
 """Followers: streampos.wait_for() and the streampos.updates() replication feed,
 against real concurrent sessions."""
 
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
 import psycopg
 import pytest
 
+import support
 from support import create_stream, expect_error, one
 
 WRITERS = ["w1", "w2", "w3", "w4"]
@@ -225,6 +229,91 @@ def test_wait_for_is_cancellable(connect, stream, pool):
         future.result(timeout=10)
     waiter.execute("SET statement_timeout = '200ms'")
     expect_error(waiter, "SELECT streampos.wait_for(%s, 100, 60000)", (stream,), sqlstate="57014")
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_wait_for_the_next_id_waits_for_anything_new(connect, stream, pool, backwards):
+    """Issue 32. A follower with its own query waits for anything new past
+    the position p it holds with wait_for(stream, p + 1) (p - 1 backwards):
+    on a caught-up stream that was 72000 ("resynchronise") at once. Now a
+    timeout answers p (nothing yet), a commit wakes it, and only a target
+    further out is 72000."""
+    conn, writer = connect(), connect()
+    create_stream(conn, stream, backwards=backwards)
+    step = -1 if backwards else 1
+    p = one(conn, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    assert one(conn, "SELECT streampos.wait_for(%s, %s, 50)", (stream, p + step)) == p
+    expect_error(conn, "SELECT streampos.wait_for(%s, %s, 0)", (stream, p + 2 * step), sqlstate="72000")
+    future = pool.submit(lambda: one(connect(), "SELECT streampos.wait_for(%s, %s, 20000)", (stream, p + step)))
+    time.sleep(0.3)
+    assert not future.done()
+    writer.execute("SELECT streampos.next_id(%s, 'w1')", (stream,))
+    assert future.result(timeout=10) == p + step
+
+
+def scheduled_slices(pid):
+    """How often the kernel has put process `pid` on a CPU (schedstat)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[2])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "SELECT streampos.wait_for(%(s)s, %(next)s, 2000)",
+        "SELECT streampos.updates(%(s)s, %(token)s, 100, 2000)",
+    ],
+)
+def test_an_idle_wait_sleeps(connect, stream, call):
+    """Issue 32. An idle long-poll re-checked every 100 ms and ended each
+    window with a timed sleep of 0 ms, which returns at once: the loop spun
+    for the last fraction of a millisecond (1 261 wake-ups in 3 s). Now it
+    wakes about 10 times a second while nothing happens."""
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("no /proc/<pid>/schedstat")
+    conn, waiter = connect(), connect()
+    create_stream(conn, stream)
+    p = one(conn, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    pid = one(waiter, "SELECT pg_backend_pid()")
+    try:
+        before = scheduled_slices(pid)
+    except (FileNotFoundError, PermissionError):
+        pytest.skip("the server's processes are not readable here")
+    waiter.execute(call, {"s": stream, "next": p + 1, "token": str(p)})
+    woken = scheduled_slices(pid) - before
+    assert woken < 150, f"{woken} wake-ups in a 2 s idle wait"
+
+
+def test_a_killed_clients_wait_ends(connect, stream):
+    """Issue 32. A long-polling client killed with SIGKILL left its backend
+    waiting until the timeout (30 s in the README's example), holding its
+    transaction and a consumer's lock. The wait now notices the closed
+    connection within its next re-check and the backend exits."""
+    conn = connect()
+    create_stream(conn, stream)
+    p = one(conn, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    script = (
+        "import psycopg, sys\n"
+        f"c = psycopg.connect({support.conninfo_string()!r}, autocommit=True, application_name='killed_{stream}')\n"
+        f"c.execute('SELECT streampos.wait_for(%s, %s, 30000)', ({stream!r}, {p + 1}))\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        support.wait_until(
+            lambda: one(conn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                        "AND query LIKE '%%wait_for%%'", (f"killed_{stream}",)) == 1,
+            timeout=10, message="the client's wait",
+        )
+    finally:
+        child.kill()
+        child.wait()
+    killed = time.monotonic()
+    support.wait_until(
+        lambda: one(conn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                    (f"killed_{stream}",)) == 0,
+        timeout=5, message="the killed client's backend to end",
+    )
+    assert time.monotonic() - killed < 2
 
 
 def test_wait_for_backward_stream(connect, stream, pool):
