@@ -1475,6 +1475,28 @@ fn kept_plan(
     Ok(plan)
 }
 
+/// `plan_cache_mode = force_generic_plan` in the current GUC nest level,
+/// for a kept statement: PostgreSQL's plan cache otherwise keeps choosing a
+/// custom plan for a follower's parameters, planning the statement again on
+/// almost every call (51 plans in 50 calls of `updates()`), which was most
+/// of a call's cost. The statements are range and key lookups whose plan
+/// does not depend on the values.
+///
+/// # Safety
+/// The caller opened a GUC nest level that it closes (`with_safe_path`).
+unsafe fn force_generic_plan() {
+    pg_sys::set_config_option(
+        c"plan_cache_mode".as_ptr(),
+        c"force_generic_plan".as_ptr(),
+        pg_sys::GucContext::PGC_USERSET,
+        pg_sys::GucSource::PGC_S_SESSION,
+        pg_sys::GucAction::GUC_ACTION_SAVE,
+        true,
+        0,
+        false,
+    );
+}
+
 /// The rows the statement just run in this SPI connection returned, each
 /// converted by `row` from its tuple and the result's descriptor.
 fn collect_rows<T>(
@@ -1510,6 +1532,8 @@ fn kept_select<T>(
     // Run with the pinned search path too: a kept statement is analysed
     // again with the path current when it runs.
     with_safe_path(|| {
+        // SAFETY: inside the nest level `with_safe_path` opened.
+        unsafe { force_generic_plan() };
         spi(Spi::connect(|client| {
             let plan = kept_plan(client, rel, query, types, false)?;
             let count = client.select(&*plan, None, args)?.len();
@@ -1526,6 +1550,8 @@ fn kept_update<T>(
     row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
 ) -> Vec<T> {
     with_safe_path(|| {
+        // SAFETY: inside the nest level `with_safe_path` opened.
+        unsafe { force_generic_plan() };
         spi(Spi::connect_mut(|client| {
             let plan = kept_plan(client, pg_sys::InvalidOid, query, types, true)?;
             let count = client.update(&*plan, None, args)?.len();
