@@ -137,3 +137,31 @@ def test_a_connection_not_in_autocommit_is_refused(db, stream):
     with connect(autocommit=False) as conn:
         with pytest.raises(ValueError, match="autocommit"):
             streampos.Consumer(conn, stream, "c")
+
+
+def test_another_roles_session_holding_the_consumers_lock_is_an_error_not_a_wait(db, stream):
+    """Issue 31: every lock a client takes for mutual exclusion is one no
+    other role can take, or has a bound. Any role can take the consumer's
+    advisory lock (its key is in the source); the consumer used to wait for
+    it forever. A second process of the same role still waits for the
+    first; a session of another role holding it is 55P03 at once, naming
+    it."""
+    import psycopg
+
+    setup_events(db, stream)
+    role = "streampos_client_squatter"
+    if not db.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+        db.execute(f"CREATE ROLE {role} LOGIN")
+    with connect() as conn, connect(user=role) as squatter:
+        consumer = streampos.Consumer(conn, stream, "c", timeout_ms=0)
+        consumer.register(since="0")
+        key, text = consumer._lock_key()
+        squatter.execute("SELECT pg_advisory_lock(%s::int4, hashtext(%s))", (key, text))
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.LockNotAvailable, match=role):
+            with consumer.batch():
+                pass
+        assert time.monotonic() - started < 5
+        squatter.execute("SELECT pg_advisory_unlock_all()")
+        with consumer.batch() as batch:
+            assert len(batch) == 0

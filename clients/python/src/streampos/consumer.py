@@ -11,9 +11,12 @@ between the two it is done again, at least once.
 
 Only one process should run a consumer at a time: with ``exclusive=True``
 (the default) the consumer takes a session-level advisory lock on its
-name, and a second process waits for the first to go.
+name, and a second process waits for the first to go. A session of
+another role that holds the lock (any role can take an advisory lock) is
+an error at once (55P03), never a wait.
 """
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Union
@@ -152,8 +155,42 @@ class Consumer:
         # 14 and later).
         if self.conn.info.server_version >= 140000:
             self.conn.execute("SET client_connection_check_interval = '1s'")
-        self.conn.execute("SELECT pg_catalog.pg_advisory_lock(%s::pg_catalog.int4, pg_catalog.hashtext(%s))", self._lock_key())
+        # Any role can take an advisory lock: wait only while a session of
+        # this consumer's own role holds it (an earlier process of the
+        # consumer); a session of another role holding it is an error at
+        # once, naming it, never a silent wait.
+        while True:
+            row = self.conn.execute(
+                "SELECT pg_catalog.pg_try_advisory_lock(%s::pg_catalog.int4, pg_catalog.hashtext(%s))",
+                self._lock_key(),
+            ).fetchone()
+            if row and row[0]:
+                break
+            holder = self._lock_holder()
+            if holder is not None and holder[1] != self.conn.info.parameter_status("session_authorization"):
+                raise psycopg.errors.LockNotAvailable(
+                    f"the lock of consumer {self.name!r} of stream {self.stream!r} is held by "
+                    f"process {holder[0]} of role {holder[1]!r}, not a process of this consumer"
+                )
+            time.sleep(0.2)
         self._locked = True
+
+    def _lock_holder(self) -> Optional[tuple]:
+        """(pid, role) of the session that holds the consumer's lock."""
+        key, text = self._lock_key()
+        return self.conn.execute(
+            "SELECT l.pid, a.usename::pg_catalog.text FROM pg_catalog.pg_locks l "
+            "JOIN pg_catalog.pg_stat_activity a ON a.pid OPERATOR(pg_catalog.=) l.pid "
+            "WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted "
+            "AND l.objsubid OPERATOR(pg_catalog.=) 2 "
+            "AND l.classid OPERATOR(pg_catalog.=) (%s::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid "
+            "AND l.objid OPERATOR(pg_catalog.=) "
+            "(pg_catalog.hashtext(%s)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid "
+            "AND l.database OPERATOR(pg_catalog.=) "
+            "(SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) "
+            "LIMIT 1",
+            (key, text),
+        ).fetchone()
 
     def _lock_key(self) -> tuple:
         # The two-integer advisory lock space (the application's bigint

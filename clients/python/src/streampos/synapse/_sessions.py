@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 # processes starting at once register one after the other, and the second
 # finds the work done. The key spells "streampo" in ASCII.
 _REGISTER_LOCK_KEY = 0x73747265616D706F
+# The longest a start waits for that lock: registering takes a moment per
+# stream, so other processes starting at once are done well before it.
+_REGISTER_LOCK_WAIT = "60s"
 
 _EXTENSION_SQL = """
 SELECT e.extversion,
@@ -238,7 +241,12 @@ class Sessions:
         with session.lock:
             self._execute(session, "BEGIN ISOLATION LEVEL READ COMMITTED")
             try:
+                # Any role can take an advisory lock: the wait is bounded, so
+                # that a session holding this key stops the start with an
+                # error (55P03) rather than forever.
+                self._execute(session, f"SET LOCAL lock_timeout = '{_REGISTER_LOCK_WAIT}'")
                 self._execute(session, "SELECT pg_catalog.pg_advisory_xact_lock(?)", (_REGISTER_LOCK_KEY,))
+                self._execute(session, "SET LOCAL lock_timeout = DEFAULT")
                 rows = self._execute(session, _STREAM_SQL, (sequence_name, stream))
                 if not rows:
                     self._execute(
