@@ -36,6 +36,7 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
     if loaded {
         return index;
     }
+    sequence::require_exists(meta.seq, &meta.name);
     // IDs are positive: a sequence altered below 1 has handed out none.
     let max = sequence::max_allocated(meta.seq).max(0);
     let stored: Vec<i32> = sql::stored_positions(&meta.name)

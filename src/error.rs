@@ -155,8 +155,11 @@ pub enum Error {
     #[error("sequence {seq} is not permanent")]
     NotPermanent { seq: String, unlogged: bool },
     /// A stream's sequence was dropped (with the table of its bigserial).
+    #[error("the sequence of stream \"{0}\" no longer exists")]
+    SequenceDropped(Name),
+    /// The same, where the stream's name is not at hand.
     #[error("the sequence of a stream (oid {0}) no longer exists")]
-    SequenceDropped(u32),
+    SequenceOidDropped(u32),
     #[error("permission denied to allocate IDs of stream \"{stream}\"")]
     MayNotAllocate { stream: Name, seq: String },
     #[error("permission denied to repair stream \"{stream}\"")]
@@ -245,7 +248,9 @@ impl Error {
             Error::UnknownColumn { .. } => Code::ERRCODE_UNDEFINED_COLUMN,
             Error::NotASequence(_) => Code::ERRCODE_INVALID_PARAMETER_VALUE,
             Error::NotPermanent { .. } => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-            Error::SequenceDropped(_) => Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            Error::SequenceDropped(_) | Error::SequenceOidDropped(_) => {
+                Code::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE
+            }
             Error::MayNotAllocate { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::MayNotRepair { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
@@ -375,7 +380,7 @@ impl Error {
                 "Call it as the table's owner (or a member of that role) or as a role with BYPASSRLS, or disable row-level security on the table."
                     .into(),
             ),
-            Error::SequenceDropped(_) => Some(
+            Error::SequenceDropped(_) | Error::SequenceOidDropped(_) => Some(
                 "streampos.check_stream() names the stream; streampos.drop_stream() forgets it.".into(),
             ),
             Error::LockTimeout { .. } => Some(

@@ -45,7 +45,7 @@ fn with_page<T>(
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let rel = pg_sys::try_relation_open(seq, lock);
         if rel.is_null() {
-            Error::SequenceDropped(seq.to_u32()).report();
+            Error::SequenceOidDropped(seq.to_u32()).report();
         }
         let kind = (*(*rel).rd_rel).relkind as u8;
         let persistence = (*(*rel).rd_rel).relpersistence as u8;
@@ -150,16 +150,16 @@ pub fn exists(seq: pg_sys::Oid) -> bool {
 }
 
 /// Refuse (55000) a stream whose sequence no longer exists.
-pub fn require_exists(seq: pg_sys::Oid) {
+pub fn require_exists(seq: pg_sys::Oid, stream: &str) {
     if !exists(seq) {
-        Error::SequenceDropped(seq.to_u32()).report();
+        Error::SequenceDropped(stream.into()).report();
     }
 }
 
 /// Refuse an allocation the caller may not make: `nextval` needs USAGE or
 /// UPDATE on the sequence, and so does `next_id`.
 pub fn check_may_allocate(seq: pg_sys::Oid, stream: &str) {
-    require_exists(seq);
+    require_exists(seq, stream);
     // SAFETY: a catalog lookup for the current role; raises an ERROR itself
     // only for a missing relation.
     let result = unsafe {
@@ -194,7 +194,7 @@ pub fn is_owner(seq: pg_sys::Oid, role: pg_sys::Oid) -> bool {
 /// against allocation: `setval` needs UPDATE, and a caller without it must
 /// not be able to block the stream's writers.
 pub fn check_may_repair(seq: pg_sys::Oid, stream: &str) {
-    require_exists(seq);
+    require_exists(seq, stream);
     // SAFETY: as in `check_may_allocate`.
     let result = unsafe {
         pg_sys::pg_class_aclcheck(

@@ -33,10 +33,8 @@ pub(super) fn check_stream(
         return TableIterator::new(vec![(
             "sequence".to_string(),
             false,
-            format!(
-                "the stream's sequence (oid {}) was dropped; streampos.drop_stream() forgets the stream",
-                meta.seq.to_u32()
-            ),
+            "the stream's sequence was dropped; streampos.drop_stream() forgets the stream"
+                .to_string(),
         )]);
     }
     let mut checked = checks(&meta);

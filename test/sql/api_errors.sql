@@ -79,3 +79,21 @@ DROP TABLE api_t;
 DROP SEQUENCE api_cached;
 DROP SEQUENCE api_negative;
 DROP SEQUENCE api_cycle;
+
+-- An ID column that does not compare with bigint; a sequence that is gone;
+-- a follower waiting for anything new (one past the highest allocated ID)
+-- and beyond it.
+SELECT streampos.create_stream('api_n')::text;
+CREATE TABLE api_text_ids (id text, who text);
+SELECT streampos.add_table('api_n', 'api_text_ids', 'id', 'who');
+SELECT streampos.next_id('api_n', 'w');
+SELECT streampos.wait_for('api_n', 2, 10);
+SELECT streampos.wait_for('api_n', 3, 10);
+CREATE TABLE api_serial (id bigserial, who text);
+SELECT streampos.adopt_stream('api_gone', 'api_serial_id_seq');
+DROP TABLE api_serial;
+SELECT * FROM streampos.check_stream('api_gone');
+SELECT streampos.next_id('api_gone', 'w');
+SELECT streampos.drop_stream('api_gone');
+SELECT streampos.drop_stream('api_n');
+DROP TABLE api_text_ids;
