@@ -802,8 +802,13 @@ pub fn prepared_transactions_here() -> bool {
     .is_some()
 }
 
-/// The stored frontier (internal numbering), written with the positions.
+/// The stored frontier (internal numbering), written with the positions;
+/// None before the worker stored one.
 pub fn stored_frontier(stream: &str) -> Option<i64> {
+    // A database not yet updated from 0.2.0 has no stored frontiers.
+    if !catalog_table_exists(c"stream_frontiers") {
+        return None;
+    }
     select_one(
         "SELECT pg_catalog.abs(f.stream_id) FROM streampos.stream_frontiers f \
          WHERE f.stream_name OPERATOR(pg_catalog.=) $1",
