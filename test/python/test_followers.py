@@ -559,3 +559,43 @@ def test_the_batch_window_is_per_stream(connect, stream):
     started = time.monotonic()
     one(conn, "SELECT streampos.updates(%s, '0', 100, 5000)", (other,))
     assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.restarts_server
+def test_the_followers_statement_is_planned_once_per_session(connect, stream):
+    """Issue 32. PostgreSQL's plan cache kept choosing a custom plan for
+    the row statement updates() keeps: 51 plans in 50 calls, most of each
+    call's cost. Counted by pg_stat_statements (internal statements
+    tracked): 100 calls of updates(), caught up and one row behind, plan
+    the row statement once."""
+    db = connect()
+    if not one(db, "SELECT count(*) FROM pg_available_extensions WHERE name = 'pg_stat_statements'"):
+        pytest.skip("pg_stat_statements is not installed")
+    create_stream(db, stream)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, body text)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    for _ in range(3):
+        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', 'x'", (stream,))
+    db.close()
+    support.restart_server(
+        "fast",
+        options="-c shared_preload_libraries=streampos,pg_stat_statements "
+        "-c pg_stat_statements.track=all -c pg_stat_statements.track_planning=on",
+    )
+    try:
+        with support.connect_raw() as c:
+            c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            c.execute("SELECT pg_stat_statements_reset()")
+            for since in ("3", "2"):
+                for _ in range(50):
+                    c.execute("SELECT streampos.updates(%s, %s, 100, 0)", (stream, since))
+            plans = one(
+                c,
+                "SELECT sum(plans) FROM pg_stat_statements WHERE query LIKE %s AND calls >= 100",
+                (f"%jsonb_build_array%{table}%",),
+            )
+            assert plans == 1, f"the row statement was planned {plans} times in 100 calls"
+            c.execute("DROP EXTENSION pg_stat_statements")
+    finally:
+        support.restart_server("fast")
