@@ -84,6 +84,7 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
         since: unsafe { unguarded::GetCurrentTransactionStartTimestamp() },
         lsn: 0,
         durable_from: 0,
+        allocating_from: 0,
         reserved_seen: false,
         confirmed: false,
         releasing: false,
@@ -119,6 +120,19 @@ pub fn begin_allocation(request: &Request) -> Result<Result<Allocation, Stale>, 
         {
             // The existing entry's minimum is already below anything new,
             // as long as the new IDs are above what was allocated by now.
+            // Until `finish_allocation` records their WAL position, the new
+            // IDs hold every writer back from the lower bound, as a pending
+            // entry's do: the sequence records the coming `nextval` calls
+            // write may not be durable, and the entry still shows its
+            // earlier, durable one. (Without the mark a reader answered past
+            // them for the other writers, and a later reader, once the new
+            // WAL position was recorded and not yet flushed, answered less.)
+            // A mark left by a call that failed (its savepoint rolled back)
+            // is lower: it stays.
+            let a = &mut locked.entries_in_use(slot_index)[i];
+            if !a.pending && a.allocating_from == 0 {
+                shmem::publish(&mut a.allocating_from, lower_bound);
+            }
             return Ok(Ok(Allocation {
                 entry: i,
                 hold,
@@ -298,8 +312,11 @@ pub fn finish_allocation(
     // position with the old `durable_from` would hold every writer back
     // from IDs durable for a while, and answer less than a reader before
     // it (the seqlock counter moves: such a copy is thrown away). A split
-    // only adds an entry (written whole, then counted).
-    let locked = Locked::acquire(if shift {
+    // adds an entry (written whole, then counted) and takes the mark
+    // `allocating_from` off the earlier one: a reader that counted the
+    // entries before the new one and read the mark after it went would
+    // hold neither, so the counter moves for it too.
+    let locked = Locked::acquire(if shift || split {
         Section::FinishAllocationShift
     } else {
         Section::FinishAllocation
@@ -313,11 +330,14 @@ pub fn finish_allocation(
             count: ids.len() as i64,
             lsn,
             durable_from: first,
+            allocating_from: 0,
             reserved_seen: false,
             ..earlier
         };
         let header = &mut locked.slot_headers()[slot_index];
         shmem::publish(&mut header.used, i as u32 + 1);
+        let earlier = &mut locked.slot(slot_index)[allocation.entry];
+        shmem::publish(&mut earlier.allocating_from, 0);
     } else {
         let a = if allocation.hold {
             &mut locked.session_slot(slot_index)[allocation.entry]
@@ -338,6 +358,15 @@ pub fn finish_allocation(
         } else if lsn > a.lsn {
             shmem::publish(&mut a.lsn, lsn);
             shmem::publish(&mut a.durable_from, first);
+        }
+        // Last: a reader that sees the mark gone sees the WAL position and
+        // `durable_from` written above (it reads the mark first). The new
+        // IDs then hold every writer back from `durable_from` (at or above
+        // the mark) until that position is durable, or, under the entry's
+        // earlier WAL position (no newer sequence record), as the earlier
+        // IDs do: never from lower than the mark did.
+        if a.allocating_from != 0 {
+            shmem::publish(&mut a.allocating_from, 0);
         }
     }
     let s = &mut locked.streams()[stream];
@@ -695,10 +724,23 @@ impl Woken {
 /// not durable (`durable`).
 fn push_finished(locked: &Locked, a: &Active, committed: bool, stamp: TransactionId, durable: u64) {
     // An allocation that failed before recording its WAL position is held
-    // until everything inserted so far is durable.
+    // until everything inserted so far is durable: from its lower bound
+    // (pending), or, for a call that failed into a complete entry, from its
+    // mark, and from the entry's earlier IDs too while their WAL position is
+    // not durable (read afresh: a reader that found it durable held from
+    // the mark only, and must not be answered less now).
     let (lsn, durable_from) = if a.pending {
         // SAFETY: reads the insert pointer under its spinlock; no error.
         (unsafe { unguarded::GetXLogInsertRecPtr() }, a.min_id)
+    } else if a.allocating_from != 0 {
+        // SAFETY: reads the insert pointer under its spinlock; no error.
+        let inserted = unsafe { unguarded::GetXLogInsertRecPtr() };
+        let from = if a.lsn <= durable_lsn() {
+            a.allocating_from
+        } else {
+            a.durable_from.min(a.allocating_from)
+        };
+        (inserted.max(a.lsn), from)
     } else {
         (a.lsn, a.durable_from)
     };
@@ -973,7 +1015,7 @@ pub fn flush_before_commit() {
 /// The registry must be initialised and `slot` must be the caller's.
 unsafe fn own_slot_lsn_needed(slot: usize, aborting: bool) -> u64 {
     let needed = |a: &Active| {
-        if a.pending {
+        if a.pending || a.allocating_from != 0 {
             // SAFETY: GetXLogInsertRecPtr raises no error.
             unsafe { unguarded::GetXLogInsertRecPtr() }
         } else {

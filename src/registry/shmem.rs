@@ -431,6 +431,13 @@ pub(super) struct Active {
     /// after a CHECKPOINT or past the sequence's logged-ahead values never
     /// makes IDs already durable hold every writer back again.
     pub durable_from: i64,
+    /// While a later allocation of the transaction runs `nextval` for this
+    /// (complete) entry: that call's lower bound; 0 otherwise. The sequence
+    /// records those calls write are recorded nowhere until
+    /// `finish_allocation` stores the WAL position, so until then the new
+    /// IDs hold every writer back from here, as a pending entry's do
+    /// (`visibility::view`).
+    pub allocating_from: i64,
     /// This entry holds a place in its stream's `seen` (its writer was not
     /// there when it was created).
     pub reserved_seen: bool,
@@ -467,6 +474,7 @@ pub(super) const FREE_ACTIVE: Active = Active {
     since: 0,
     lsn: 0,
     durable_from: 0,
+    allocating_from: 0,
     reserved_seen: false,
     confirmed: false,
     releasing: false,
@@ -750,7 +758,10 @@ impl Section {
     /// reads the highest allocated ID first: an entry published after that
     /// is for IDs above it, which the reader's answer never reaches (the
     /// lower bound's rule, docs/design.md), and one published before is in
-    /// its copy, pending or complete.
+    /// its copy, pending or complete. (A split, which adds an entry and
+    /// takes the mark `allocating_from` off the earlier one, runs as
+    /// `FinishAllocationShift`: a reader that counted the entries before
+    /// the new one and read the mark after it went would hold neither.)
     pub fn moves_entries(self) -> bool {
         self.exclusive() && !matches!(self, Section::BeginAllocation | Section::FinishAllocation)
     }
@@ -1035,6 +1046,7 @@ pub(super) struct EntryCopy {
     pub min_id: i64,
     pub xid: TransactionId,
     pub pending: bool,
+    pub allocating_from: i64,
     pub durable_from: i64,
     pub lsn: u64,
 }
@@ -1242,9 +1254,11 @@ impl Raw {
         unsafe {
             let a = ((self.header as *const u8).add(self.offsets().entries) as *const Active)
                 .add(slot * stride + k);
-            // `pending` first: once false, the first ID and WAL position
-            // written before it are read after it (`finish_allocation`).
+            // `pending` and `allocating_from` first: once false (0), the
+            // first ID and WAL position written before them are read after
+            // them (`finish_allocation`).
             let pending = Self::read(&raw const (*a).pending);
+            let allocating_from = Self::read(&raw const (*a).allocating_from);
             fence(Ordering::Acquire);
             // `durable_from` before `lsn`: `finish_allocation` writes the
             // new WAL position first, so a new `durable_from` comes with
@@ -1258,6 +1272,7 @@ impl Raw {
                 min_id: Self::read(&raw const (*a).min_id),
                 xid: Self::read(&raw const (*a).xid),
                 pending,
+                allocating_from,
                 durable_from,
                 lsn: Self::read(&raw const (*a).lsn),
             }

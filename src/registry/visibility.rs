@@ -528,14 +528,26 @@ pub fn view(
         // A hold is in flight until it is released (its shadow entry in the
         // releasing transaction, then in the ring, takes over).
         let ended = !own && !is_hold && sees_end(a.xid);
-        // A pending entry has not recorded its WAL position: while its
-        // transaction runs, its IDs are in flight like any other; once it
-        // has ended (an allocation that failed, its callback not run yet),
-        // nothing says its IDs are durable.
+        // A pending entry has not recorded its WAL position, and neither
+        // has an allocation running into a complete entry
+        // (`allocating_from`): the sequence records its `nextval` calls
+        // wrote may not be durable, and nothing says which IDs they cover,
+        // so its IDs hold every writer back from its lower bound, whether
+        // its transaction runs or has ended (an allocation that failed, its
+        // callback not run yet). Held for its own writer only, a reader
+        // answered past the IDs it had taken below another writer's for
+        // every other writer, and a later reader, once the allocation
+        // recorded a WAL position not yet flushed, answered less: positions
+        // went back for later snapshots. Its recorded WAL position then
+        // holds from `durable_from`, at or above the lower bound.
         let not_durable_from = if a.pending {
-            ended.then_some(a.min_id)
+            Some(a.min_id)
         } else {
-            (!durable.covers(a.lsn)).then_some(a.durable_from)
+            let recorded = (!durable.covers(a.lsn)).then_some(a.durable_from);
+            match a.allocating_from {
+                0 => recorded,
+                lower => Some(recorded.map_or(lower, |from| from.min(lower))),
+            }
         };
         hold(a.instance, a.min_id, !ended, not_durable_from);
     }

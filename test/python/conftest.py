@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
+import traps
 from support import (
     DBNAME,
     connect_raw,
@@ -65,6 +66,47 @@ def database():
         pass
 
 
+@pytest.fixture(scope="session")
+def planted_traps(database):
+    """The attacker's objects in the test database (traps.py), planted once
+    per session."""
+    traps.plant()
+    return traps
+
+
+@pytest.fixture(autouse=True)
+def trap_check(request):
+    """After each test that used the test database: no trap fired
+    (public.trap_log is empty, and the fired count did not move), and no
+    session the test still has open carries a setting a trap made. Off with
+    STREAMPOS_TRAPS=0."""
+    if not traps.ENABLED or "database" not in request.fixturenames:
+        yield
+        return
+    request.getfixturevalue("planted_traps")
+    # Set up before the test's connections, so that they are still open
+    # when this checks them.
+    factory = request.getfixturevalue("connect") if "connect" in request.fixturenames else None
+    # A test that plants the same names itself (test_security's hijacked
+    # public) gets a public without the trapper's functions and views.
+    replant = "hijacked_public" in request.fixturenames
+    if replant:
+        traps.unplant()
+    logged, fired_before = traps.take_log()
+    assert not logged, (
+        "traps fired after the previous test's checks (in its teardown):\n" + traps.format_log(logged)
+    )
+    yield
+    logged, fired = traps.take_log()
+    sessions = traps.session_findings(factory.open_connections()) if factory else []
+    if replant:
+        traps.plant()
+    assert not logged and fired == fired_before and not sessions, (
+        f"traps fired {fired - fired_before} time(s):\n{traps.format_log(logged)}\n"
+        f"sessions with a trap's settings: {sessions}"
+    )
+
+
 class Connections:
     """Connection factory: every connection it makes is closed at teardown,
     then the registered clean-ups run (when no session of the test holds
@@ -78,6 +120,9 @@ class Connections:
         conn = connect_raw(**kwargs)
         self._conns.append(conn)
         return conn
+
+    def open_connections(self):
+        return [conn for conn in self._conns if not conn.closed]
 
     def on_teardown(self, fn):
         self._cleanups.append(fn)
