@@ -74,13 +74,29 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
 /// transaction survives every start (a crash, a clean restart, a promotion,
 /// recovery to a point in time) and may hold the row of an ID that a hold
 /// gave out before, in a session that is gone (docs/design.md, "What
-/// outlives a start"). While this database has one when the stream is
-/// first used, every ID above what was stored as finished (the stored
-/// frontier, never ahead of the truth; else the lowest stored position)
-/// is in flight, until the transactions running then have ended. None:
-/// no prepared transaction, nothing is in flight after a start.
+/// outlives a start"). Such a transaction, and every snapshot that cannot
+/// see it end, has an xid or xmin below the first xid of this start
+/// (`registry::start_xid`): while the oldest of them (the horizon, which
+/// counts prepared transactions) is below it, every ID above what was
+/// stored as finished (the stored frontier, never ahead of the truth; else
+/// the lowest stored position) is in flight, until the transactions
+/// running then have ended. Decided from what cannot change back: whether
+/// the prepared transaction is still there when the stream is first used
+/// is no answer for a snapshot taken before its COMMIT PREPARED. None:
+/// nothing is in flight after the start.
 fn prepared_floor(meta: &StreamMeta) -> Option<i64> {
-    if !sql::prepared_transactions_here() {
+    let start = registry::start_xid();
+    // SAFETY: reads the next xid and computes the shared horizon; neither
+    // raises an error.
+    let (next, horizon) = unsafe {
+        (
+            pg_sys::ReadNextFullTransactionId().value,
+            pg_sys::GetOldestNonRemovableTransactionId(std::ptr::null_mut()),
+        )
+    };
+    // The horizon is at most 2^31 xids behind the next one.
+    let behind = u64::from((next as u32).wrapping_sub(horizon.into_inner()));
+    if start == 0 || next.saturating_sub(behind) >= start {
         return None;
     }
     let finished = sql::stored_frontier(&meta.name)

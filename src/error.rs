@@ -126,6 +126,10 @@ pub enum Error {
         table: String,
         type_name: String,
     },
+    /// Another role's code, run inside a streampos function, called a
+    /// function that changes the caller's session.
+    #[error("{function}() may not run in another role's code inside a streampos function")]
+    SessionFunction { function: String, role: String },
     /// A registered relation that is not (or no longer) a table.
     #[error("{relation} is not a table")]
     NotATable { relation: String, kind: String },
@@ -240,6 +244,7 @@ impl Error {
             | Error::NoSelect(_)
             | Error::NotTableOwner { .. }
             | Error::RowSecurity(_) => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            Error::SessionFunction { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::NotATable { .. } => Code::ERRCODE_WRONG_OBJECT_TYPE,
             Error::ColumnType { .. } => Code::ERRCODE_DATATYPE_MISMATCH,
             Error::IdColumnType { .. } => Code::ERRCODE_DATATYPE_MISMATCH,
@@ -339,6 +344,9 @@ impl Error {
                     .into(),
             ),
             Error::IdColumnType { .. } => Some(ID_COLUMN_TYPES.into()),
+            Error::SessionFunction { role, .. } => Some(format!(
+                "Code of role {role} (a table's index expression or predicate, policy or constraint) ran while streampos read the table as its owner; it would have changed the caller's session."
+            )),
             Error::LockTimeout { detail, .. } => Some(detail.clone()),
             Error::NotSynapse { missing, .. } => Some(missing.clone()),
             Error::InstanceConflict(_) => Some(

@@ -15,7 +15,7 @@
 //! | `catalog.rs` | the stream catalog with a per-backend cache |
 //! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
 //! | `sql.rs` | every internal SQL statement (the one SPI boundary), and the switch to another role |
-//! | `session.rs` | what another role's code may leave in the caller's session (advisory locks), released |
+//! | `session.rs` | an object access hook: another role's code may not take advisory locks in the caller's session |
 //! | `ffi.rs` | C functions declared by hand |
 //! | `fast_hash.rs` | the hasher of the per-backend caches |
 //! | `guc.rs`, `error.rs` | settings; every user-facing error with its SQLSTATE |
@@ -68,6 +68,7 @@ pub extern "C-unwind" fn _PG_init() {
     }
     xact::register_callbacks();
     catalog::register_invalidation();
+    session::register();
 }
 
 /// Tests that need a backend but not concurrency (those are in tests/, driven

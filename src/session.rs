@@ -1,136 +1,138 @@
-//! What another role's code may leave behind in the caller's session, and
-//! its removal.
+//! What another role's code must not do to the caller's session: take or
+//! release advisory locks (and reseed `random()`).
 //!
 //! `sql::as_role` runs a table owner's code the way PostgreSQL's
 //! maintenance commands do: a security-restricted operation (which already
 //! refuses SET ROLE, temporary objects, PREPARE, LISTEN, DISCARD and CLOSE)
-//! inside a GUC nest level it discards (no setting survives). One thing of
-//! the session is left that neither covers: a session-level advisory lock,
-//! which `pg_advisory_lock()` takes from any code, restricted or not, and
-//! which outlives the call (and the transaction). `Guard` notes the
-//! advisory locks the backend holds before such code runs, and afterwards
-//! releases the session-level holds of any tag and mode that was not held
-//! before (docs/design.md, "Running another role's code").
-//!
-//! Limits, stated in the design: a lock the caller already held in the
-//! same mode and that the code took once more is not told apart (the lock
-//! manager's per-backend counts are private to it), and when the code
-//! raises an ERROR its session-level locks are not released (the lock
-//! manager may not be entered again before the abort; PostgreSQL's VACUUM
-//! leaves them the same way).
+//! inside a GUC nest level it discards (no setting survives). Neither covers
+//! the functions that change session state directly: `pg_advisory_lock()`
+//! takes a lock that outlives the call (and its transaction, and an ERROR),
+//! `pg_advisory_unlock_all()` releases the caller's own, and `setseed()`
+//! makes the caller's `random()` predictable. PostgreSQL's VACUUM lets
+//! them through; streampos refuses them (42501) while another role's code
+//! runs inside one of its functions: an object access hook, which the
+//! executor calls for every function it prepares to run (`ExecInitFunc`,
+//! aggregates' and window functions' too), the planner's constant folding
+//! and PL/pgSQL's expressions included (docs/design.md, "Running another
+//! role's code").
+
+use std::cell::Cell;
+use std::ffi::CStr;
 
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 
-use crate::sql;
+use crate::error::Error;
 
-/// SQL-level advisory locks carry 1 (one bigint key) or 2 (two integer
-/// keys) in the tag's fourth field; the extension's own locks use other
-/// classes and are transaction-level.
-const SQL_ADVISORY_CLASSES: [u16; 2] = [1, 2];
-
-/// An advisory lock this backend holds: its tag and the modes held.
-#[derive(Clone, Copy)]
-struct Held {
-    tag: pg_sys::LOCKTAG,
-    modes: pg_sys::LOCKMASK,
+thread_local! {
+    /// How deep this backend is in another role's code (`OwnerCode`).
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
 }
 
-fn same_tag(a: &pg_sys::LOCKTAG, b: &pg_sys::LOCKTAG) -> bool {
-    a.locktag_field1 == b.locktag_field1
-        && a.locktag_field2 == b.locktag_field2
-        && a.locktag_field3 == b.locktag_field3
-        && a.locktag_field4 == b.locktag_field4
-        && a.locktag_lockmethodid == b.locktag_lockmethodid
-}
+/// The hook that was installed before ours (chained).
+static mut PREVIOUS_HOOK: pg_sys::object_access_hook_type = None;
 
-/// The SQL-level advisory locks this backend holds now, in any mode.
-fn advisory_holds() -> Vec<Held> {
-    let mut held = Vec::new();
-    // SAFETY: GetLockStatusData returns a palloc'd copy of the lock
-    // table's state, read under the lock manager's partition locks; only
-    // this backend's entries are kept, copied by value.
+/// Functions of `pg_catalog` that change the session's state rather than
+/// the transaction's: refused while another role's code runs.
+const SESSION_FUNCTIONS: &[&str] = &[
+    "pg_advisory_lock",
+    "pg_advisory_lock_shared",
+    "pg_try_advisory_lock",
+    "pg_try_advisory_lock_shared",
+    "pg_advisory_unlock",
+    "pg_advisory_unlock_shared",
+    "pg_advisory_unlock_all",
+    "pg_advisory_xact_lock",
+    "pg_advisory_xact_lock_shared",
+    "pg_try_advisory_xact_lock",
+    "pg_try_advisory_xact_lock_shared",
+    "setseed",
+];
+
+/// Install the hook. Called once per process from `_PG_init`.
+pub fn register() {
+    // SAFETY: hooks are process-global and set from _PG_init only.
     unsafe {
-        let data = pg_sys::GetLockStatusData();
-        if data.is_null() {
-            return held;
-        }
-        let count = usize::try_from((*data).nelements).unwrap_or(0);
-        let me = pg_sys::MyProcPid;
-        for i in 0..count {
-            let lock = &*(*data).locks.add(i);
-            if lock.pid != me
-                || lock.holdMask == 0
-                || lock.locktag.locktag_type != pg_sys::LockTagType::LOCKTAG_ADVISORY as u8
-                || !SQL_ADVISORY_CLASSES.contains(&lock.locktag.locktag_field4)
-            {
-                continue;
-            }
-            held.push(Held {
-                tag: lock.locktag,
-                modes: lock.holdMask,
-            });
-        }
-    }
-    held
-}
-
-/// Release every session-level hold of `tag` in `mode`, without a
-/// WARNING for a mode held only by the transaction (the lock manager's
-/// answer to a session release of it: then there is nothing to release).
-fn release_session_holds(tag: &pg_sys::LOCKTAG, mode: pg_sys::LOCKMODE) {
-    // SAFETY: message levels are plain integers, restored below; the lock
-    // manager's release of a session lock returns false (with a WARNING
-    // the levels silence) once this backend holds none in that mode.
-    unsafe {
-        let client = pg_sys::client_min_messages;
-        let log = pg_sys::log_min_messages;
-        pg_sys::client_min_messages = pgrx::PgLogLevel::ERROR as i32;
-        pg_sys::log_min_messages = pgrx::PgLogLevel::ERROR as i32;
-        // A session lock is counted per acquisition; each release takes one.
-        while pg_sys::LockRelease(tag, mode, true) {}
-        pg_sys::client_min_messages = client;
-        pg_sys::log_min_messages = log;
+        PREVIOUS_HOOK = pg_sys::object_access_hook;
+        pg_sys::object_access_hook = Some(on_object_access);
     }
 }
 
-/// The advisory locks held before another role's code ran, when that code
-/// needs watching.
-pub struct Guard {
-    before: Option<Vec<Held>>,
+/// Another role's code runs while this guard lives (`sql::as_role`, for a
+/// role without the caller's privileges). Dropped also when an ERROR
+/// unwinds through the caller.
+pub struct OwnerCode {
+    watched: bool,
 }
 
-impl Guard {
-    /// Before `role`'s code runs for `caller`: watched unless `role` has
-    /// the caller's privileges already (the caller's own code, or its
-    /// member's: it could change the caller's session anyway).
-    pub fn begin(role: pg_sys::Oid, caller: pg_sys::Oid) -> Guard {
-        if sql::role_acts_as(role, caller) {
-            return Guard { before: None };
+impl OwnerCode {
+    /// `role`'s code is about to run for `caller`: watched unless `role`
+    /// has the caller's privileges (its own code, or a member's: it could
+    /// change the caller's session anyway).
+    pub fn enter(role: pg_sys::Oid, caller: pg_sys::Oid) -> OwnerCode {
+        let watched = !crate::sql::role_acts_as(role, caller);
+        if watched {
+            DEPTH.with(|d| d.set(d.get() + 1));
         }
-        Guard {
-            before: Some(advisory_holds()),
+        OwnerCode { watched }
+    }
+}
+
+impl Drop for OwnerCode {
+    fn drop(&mut self) {
+        if self.watched {
+            DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
         }
     }
+}
 
-    /// After the code returned: release what it took for the session.
-    pub fn end(self) {
-        let Some(before) = self.before else {
+/// At the end of a top-level transaction nothing of another role runs.
+pub fn end_transaction() {
+    DEPTH.with(|d| d.set(0));
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_object_access(
+    access: pg_sys::ObjectAccessType::Type,
+    class_id: pg_sys::Oid,
+    object_id: pg_sys::Oid,
+    sub_id: std::ffi::c_int,
+    arg: *mut std::ffi::c_void,
+) {
+    if access == pg_sys::ObjectAccessType::OAT_FUNCTION_EXECUTE
+        && class_id == pg_sys::ProcedureRelationId
+        && DEPTH.with(|d| d.get()) > 0
+    {
+        refuse_session_function(object_id);
+    }
+    // SAFETY: the previous hook, if any, has this signature.
+    if let Some(previous) = unsafe { PREVIOUS_HOOK } {
+        unsafe { previous(access, class_id, object_id, sub_id, arg) };
+    }
+}
+
+/// Refuse (42501) a function of `SESSION_FUNCTIONS`.
+fn refuse_session_function(function: pg_sys::Oid) {
+    // SAFETY: syscache lookups; a missing function gives NULL or
+    // InvalidOid, not an ERROR.
+    let name = unsafe {
+        if pg_sys::get_func_namespace(function) != pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE) {
             return;
-        };
-        for now in advisory_holds() {
-            let had = before
-                .iter()
-                .find(|b| same_tag(&b.tag, &now.tag))
-                .map_or(0, |b| b.modes);
-            let new_modes = now.modes & !had;
-            if new_modes == 0 {
-                continue;
-            }
-            for mode in 1..=pg_sys::MaxLockMode as pg_sys::LOCKMODE {
-                if new_modes & (1 << mode) != 0 {
-                    release_session_holds(&now.tag, mode);
-                }
-            }
         }
+        let name = pg_sys::get_func_name(function);
+        if name.is_null() {
+            return;
+        }
+        CStr::from_ptr(name).to_string_lossy().into_owned()
+    };
+    if SESSION_FUNCTIONS.contains(&name.as_str()) {
+        Error::SessionFunction {
+            function: name,
+            role: crate::sql::role_display_name(
+                // SAFETY: reads the current user id.
+                unsafe { pg_sys::GetUserId() },
+            ),
+        }
+        .report();
     }
 }

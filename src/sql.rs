@@ -214,10 +214,11 @@ fn extension_owner() -> pg_sys::Oid {
 /// switched in a security-restricted operation (no SET ROLE, no temporary
 /// objects, no PREPARE, LISTEN or DISCARD), a GUC nest level opened with
 /// the restricted search path and discarded at the end (no setting the
-/// role's code makes survives, whatever its kind), and session-level
-/// advisory locks it took released (`session::Guard`). The caller's
-/// identity is restored afterwards, or by the abort of the
-/// (sub)transaction on ERROR, which also discards the nest level.
+/// role's code makes survives, whatever its kind), and the functions that
+/// change the session directly (advisory locks, `setseed`) refused while
+/// it runs (`session::OwnerCode`). The caller's identity is restored
+/// afterwards, or by the abort of the (sub)transaction on ERROR, which
+/// also discards the nest level.
 fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
     // SAFETY: the user id and security context are saved and restored
     // around `f`, the GUC nest level opened and closed inside them, as
@@ -226,7 +227,7 @@ fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
         let mut saved_user = pg_sys::InvalidOid;
         let mut saved_context = 0;
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
-        let guard = crate::session::Guard::begin(role, saved_user);
+        let _owner_code = crate::session::OwnerCode::enter(role, saved_user);
         pg_sys::SetUserIdAndSecContext(
             role,
             saved_context
@@ -238,7 +239,6 @@ fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
         let value = f();
         pg_sys::AtEOXact_GUC(false, level);
         pg_sys::SetUserIdAndSecContext(saved_user, saved_context);
-        guard.end();
         value
     }
 }
@@ -790,16 +790,6 @@ pub fn stored_positions(stream: &str) -> Vec<(i32, i64)> {
         &[stream.into()],
         |r| Ok(r.get::<i32>(1)?.zip(r.get::<i64>(2)?)),
     )
-}
-
-/// Does this database have a prepared transaction now?
-pub fn prepared_transactions_here() -> bool {
-    select_one::<bool>(
-        "SELECT true FROM pg_catalog.pg_prepared_xacts p \
-         WHERE p.database OPERATOR(pg_catalog.=) pg_catalog.current_database() LIMIT 1",
-        &[],
-    )
-    .is_some()
 }
 
 /// The stored frontier (internal numbering), written with the positions;

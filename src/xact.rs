@@ -21,11 +21,15 @@ pub fn register_callbacks() {
 unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
         XactEvent::XACT_EVENT_COMMIT => {
+            crate::session::end_transaction();
+            registry::note_start_xid();
             registry::end_transaction(true);
             catalog::end_transaction(true);
             engine::end_transaction_marks(true);
         }
         XactEvent::XACT_EVENT_ABORT => {
+            crate::session::end_transaction();
+            registry::note_start_xid();
             registry::end_transaction(false);
             catalog::end_transaction(false);
             engine::end_transaction_marks(false);

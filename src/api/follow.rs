@@ -238,7 +238,9 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     refuse_ahead(&meta, "target", target.saturating_sub(1), || {
         (stream_id.to_string(), None)
     });
-    refuse_lost_history(&meta, [target]);
+    // The follower's position (one below "anything new") must be of this
+    // history too.
+    refuse_lost_history(&meta, [target, target.saturating_sub(1)]);
     let reached = wait_until(index, timeout_ms, None, || {
         let f = answer_now(&meta).frontier();
         (f >= target, f)

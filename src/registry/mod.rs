@@ -36,7 +36,8 @@ pub use alloc::{
     rename_entries, InFlight, Request,
 };
 pub use shmem::{
-    catalog_sync, is_loaded, request_shared_memory, require_loaded, RECENT_CATALOG_CHANGES,
+    catalog_sync, is_loaded, note_start_xid, request_shared_memory, require_loaded, start_xid,
+    RECENT_CATALOG_CHANGES,
 };
 pub use streams::{
     forget_all_indexes, forget_index, generation, highest_allocated, mark_dropped_at_commit,

@@ -72,6 +72,10 @@ pub(super) struct Header {
     pub workers: [WorkerSlot; MAX_DATABASES],
     /// Statistics of the whole registry (see `stats.rs`).
     pub stats: RegistryStats,
+    /// The next full xid when the first transaction of this start ended
+    /// (0: none yet), above every xid a transaction that outlived the
+    /// start (a prepared one) can have: see `start_xid`.
+    pub start_xid: AtomicU64,
 }
 
 /// What the registry counts for `streampos.stat_registry`, beyond what it
@@ -1334,6 +1338,37 @@ pub(super) unsafe fn own_slot_unlocked(slot: usize) -> &'static [Active] {
         let entries = (HEADER as *const u8).add(l.entries) as *const Active;
         std::slice::from_raw_parts(entries.add(slot * stride), per)
     }
+}
+
+/// Record, once per start, the next full xid: called at the end of every
+/// transaction until one has (nothing here raises an ERROR). Every
+/// transaction that outlived the start (a prepared one recovered) has an
+/// xid below it, and so has every snapshot that could not see such a
+/// transaction end.
+pub fn note_start_xid() {
+    // SAFETY: HEADER is set once per process at start-up; the atomic lives
+    // as long as shared memory. Reading the next xid takes XidGenLock
+    // shared and raises no error.
+    unsafe {
+        let Some(h) = HEADER.as_ref() else {
+            return;
+        };
+        if h.start_xid.load(Ordering::Relaxed) != 0 {
+            return;
+        }
+        let next = pg_sys::ReadNextFullTransactionId().value;
+        let _ = h
+            .start_xid
+            .compare_exchange(0, next.max(1), Ordering::AcqRel, Ordering::Relaxed);
+    }
+}
+
+/// The next full xid when the first transaction of this start ended (see
+/// `note_start_xid`; recorded now if none has).
+pub fn start_xid() -> u64 {
+    note_start_xid();
+    // SAFETY: as above.
+    unsafe { HEADER.as_ref() }.map_or(0, |h| h.start_xid.load(Ordering::Acquire))
 }
 
 /// The durable high-water mark, when loaded.

@@ -80,6 +80,43 @@ def test_a_prepared_row_of_a_held_id_is_not_passed_after_a_start(connect, db, st
 
 
 @pytest.mark.restarts_server
+def test_a_snapshot_from_before_commit_prepared_is_not_passed_the_row(connect, db, stream):
+    """The adversary's variant of finding 1: the first fix asked whether a
+    prepared transaction existed when the stream was first used. A reader
+    whose REPEATABLE READ snapshot was taken before COMMIT PREPARED, using
+    the stream only after it, was told the frontier covered the held ID
+    whose row its snapshot cannot see. Now the decision is the snapshots'
+    horizon against the first xid of the start: it cannot change back."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    for _ in range(3):
+        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w')", (stream,))
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    writer = connect()
+    gid = f"{stream}_gid"
+    writer.execute("BEGIN")
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    for _ in range(3):
+        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w')", (stream,))
+    support.flush_wal(db)
+    time.sleep(1.2)
+    support.restart_server("fast")
+    with support.connect_raw() as reader, support.connect_raw() as c:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        one(reader, "SELECT 1")
+        c.execute(f"COMMIT PREPARED '{gid}'")
+        f = frontier(reader, stream)
+        ids = [r[0] for r in rows(reader, f"SELECT id FROM {table} WHERE id <= %s ORDER BY id", (f,))]
+        assert held not in ids and f < held, f"frontier {f} passed ID {held}, whose row the snapshot cannot see"
+        reader.execute("COMMIT")
+        wait_until(lambda: frontier(c, stream) >= held + 3, timeout=10, message="the release")
+
+
+@pytest.mark.restarts_server
 def test_a_start_without_prepared_transactions_holds_nothing(connect, db, stream):
     """The other side of finding 1's fix: with no prepared transaction, a
     crash leaves nothing in flight (the frontier is the sequence's value at

@@ -805,10 +805,13 @@ BEGIN
     PERFORM pg_catalog.set_config('work_mem', '1234kB', false);
     PERFORM pg_catalog.set_config('trap.planted', 'planted', false);
     SET statement_timeout = '4321s';
-    PERFORM pg_catalog.pg_try_advisory_lock(4242);
-    PERFORM pg_catalog.pg_try_advisory_lock(4242);
-    PERFORM pg_catalog.pg_try_advisory_lock_shared(42, 43);
-    PERFORM pg_catalog.pg_advisory_xact_lock(4244);
+    -- Refused (42501) inside streampos functions; caught here so that the
+    -- trap goes on.
+    BEGIN PERFORM pg_catalog.pg_try_advisory_lock(4242); EXCEPTION WHEN insufficient_privilege THEN NULL; END;
+    BEGIN PERFORM pg_catalog.pg_try_advisory_lock_shared(42, 43); EXCEPTION WHEN insufficient_privilege THEN NULL; END;
+    BEGIN PERFORM pg_catalog.pg_advisory_xact_lock(4244); EXCEPTION WHEN insufficient_privilege THEN NULL; END;
+    BEGIN PERFORM pg_catalog.pg_advisory_unlock_all(); EXCEPTION WHEN insufficient_privilege THEN NULL; END;
+    BEGIN PERFORM pg_catalog.setseed(0.5); EXCEPTION WHEN insufficient_privilege THEN NULL; END;
     BEGIN EXECUTE 'CREATE TEMP TABLE trap_temp (x int)'; EXCEPTION WHEN OTHERS THEN NULL; END;
     BEGIN EXECUTE 'PREPARE trap_stmt AS SELECT 1'; EXCEPTION WHEN OTHERS THEN NULL; END;
     BEGIN EXECUTE 'LISTEN trap_channel'; EXCEPTION WHEN OTHERS THEN NULL; END;
@@ -851,8 +854,9 @@ def test_a_table_owners_code_leaves_nothing_in_the_callers_session(arena, caller
     superuser's check_stream() and a follower's updates() kept it, and the
     caller's next plain `SELECT now()` ran the homeserver's public.now() as
     the caller. The switch to the owner now opens a GUC nest level with the
-    restricted search path and discards it (as VACUUM does), and releases
-    the session-level advisory locks the owner's code took. Every function
+    restricted search path and discards it (as VACUUM does), and refuses
+    the functions that change the session directly (advisory locks taken or
+    released, setseed). Every function
     a caller can reach that reads the table is tried, each in a session that
     held settings and advisory locks of its own before the call."""
     admin = arena.connect()
@@ -880,12 +884,63 @@ def test_a_table_owners_code_leaves_nothing_in_the_callers_session(arena, caller
     for call in calls:
         c = arena.connect(caller)
         c.execute("SET work_mem = '7MB'")
-        c.execute("SELECT pg_advisory_lock(7)")
+        c.execute("SELECT pg_advisory_lock(7), pg_advisory_lock(7)")
         before = session_state(c)
         c.execute(call)
         after = session_state(c)
         assert after == before, f"{call} left {after} (was {before})"
         assert one(c, "SELECT now() > '2001-01-01'"), f"{call}: the owner's now() ran as the caller"
-        # The caller's own lock is still held, once.
-        assert one(c, "SELECT pg_advisory_unlock(7)") and not one(c, "SELECT pg_advisory_unlock(7)")
+        # The caller's own lock is still held, twice.
+        assert [one(c, "SELECT pg_advisory_unlock(7)") for _ in range(3)] == [True, True, False]
     assert [r for r in arena.spied() if r[1] not in (HOMESERVER, ATTACKER)] == []
+
+
+def test_a_table_owners_code_may_not_take_or_release_advisory_locks(arena):
+    """Issue 31, after the adversary's review: an index predicate calling
+    pg_advisory_unlock_all() released the caller's own locks, and one that
+    took a lock and then raised left it in the caller's session for good.
+    Another role's code running inside a streampos function may not call
+    the advisory lock functions (nor setseed): 42501, naming the function
+    and the role, and the caller's locks are as they were."""
+    hs = arena.connect(HOMESERVER)
+    create_stream(hs, "s")
+    hs.execute("CREATE TABLE public.locky (id bigint, instance_name text)")
+    hs.execute("GRANT SELECT ON public.locky TO PUBLIC")
+    hs.execute("SELECT streampos.add_table('s', 'public.locky', 'id', 'instance_name')")
+    hs.execute(
+        """
+        CREATE FUNCTION public.unlock_all() RETURNS boolean LANGUAGE plpgsql VOLATILE AS
+            $$ BEGIN PERFORM pg_catalog.pg_advisory_unlock_all(); RETURN true; END $$;
+        CREATE FUNCTION public.unlock_all_i() RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS
+            $$ BEGIN RETURN public.unlock_all(); END $$;
+        CREATE FUNCTION public.lock_then_fail() RETURNS boolean LANGUAGE plpgsql VOLATILE AS
+            $$ BEGIN PERFORM pg_catalog.pg_advisory_lock(11); RAISE EXCEPTION 'failed'; END $$;
+        CREATE FUNCTION public.lock_then_fail_i() RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS
+            $$ BEGIN RETURN public.lock_then_fail(); END $$;
+        """
+    )
+    for predicate, function in (("public.unlock_all_i()", "pg_advisory_unlock_all"),
+                                ("public.lock_then_fail_i()", "pg_advisory_lock")):
+        hs.execute("DROP INDEX IF EXISTS public.locky_trap")
+        hs.execute("SET check_function_bodies = off")
+        try:
+            hs.execute(f"CREATE INDEX locky_trap ON public.locky (id) WHERE {predicate}")
+        except psycopg.Error:
+            # CREATE INDEX folds the predicate in the owner's own session:
+            # lock_then_fail raises there. Plant it in a table already
+            # indexed by a predicate that only fails later.
+            hs.execute("CREATE OR REPLACE FUNCTION public.lock_then_fail() RETURNS boolean LANGUAGE plpgsql "
+                       "VOLATILE AS $$ BEGIN RETURN true; END $$")
+            hs.execute(f"CREATE INDEX locky_trap ON public.locky (id) WHERE {predicate}")
+            hs.execute("CREATE OR REPLACE FUNCTION public.lock_then_fail() RETURNS boolean LANGUAGE plpgsql "
+                       "VOLATILE AS $$ BEGIN PERFORM pg_catalog.pg_advisory_lock(11); RAISE EXCEPTION 'failed'; END $$")
+        hs.execute("SELECT pg_advisory_unlock_all()")
+        c = arena.connect()
+        c.execute("SELECT pg_advisory_lock(%s)", (7 + len(function),))
+        before = session_state(c)
+        err = expect_error(c, "SELECT streampos.updates('s', '0')", sqlstate="42501")
+        assert err.diag.message_primary == (
+            f"{function}() may not run in another role's code inside a streampos function"
+        )
+        assert HOMESERVER in err.diag.message_detail
+        assert session_state(c) == before

@@ -820,7 +820,7 @@ def _writer(conninfo, st, stream, table, my_names, w, seed, abort_rate, tolerate
     rng = random.Random(seed)
     t = sql.Identifier(table)
     insert_many = sql.SQL(
-        "INSERT INTO {} (id, instance_name, payload) SELECT i, %s, %s || i FROM unnest(%s::bigint[]) i"
+        "INSERT INTO {} (id, instance_name, payload) SELECT i, %s, %s || i FROM pg_catalog.unnest(%s::bigint[]) i"
     ).format(t)
     insert_one = sql.SQL("INSERT INTO {} (id, instance_name, payload) VALUES (%s, %s, %s)").format(t)
     conn = None
@@ -1115,7 +1115,7 @@ class _Reader:
         # instance_pos of every writer whose name the snapshot sees (an
         # unknown name is an error: on an open stream names come and go).
         known = (
-            "FROM unnest(%(names)s::text[]) WITH ORDINALITY u(n, o) "
+            "FROM pg_catalog.unnest(%(names)s::text[]) WITH ORDINALITY u(n, o) "
             "WHERE EXISTS (SELECT FROM streampos.instances i WHERE i.instance_name = u.n) ORDER BY o"
         )
         q_token = (

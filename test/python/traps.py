@@ -183,7 +183,7 @@ BEGIN
             RETURN;
         END IF;
         PERFORM public.trap_record(label, stack, q);
-        PERFORM set_config('search_path', '{FUNCTION_TRAP_PATH}', false);
+        BEGIN PERFORM set_config('search_path', '{FUNCTION_TRAP_PATH}', false); EXCEPTION WHEN OTHERS THEN NULL; END;
     ELSE
         -- The index trap: only inside the extension's internal SQL.
         IF strpos(caller, 'OPERATOR(pg_catalog.') = 0 THEN
@@ -193,9 +193,11 @@ BEGIN
                        WHERE c.oid = rel AND r.rolname = current_user) THEN
             PERFORM public.trap_record(label, stack, q);
         END IF;
-        PERFORM set_config('search_path', '{INDEX_TRAP_PATH}', false);
-        PERFORM set_config('work_mem', '{INDEX_TRAP_WORK_MEM}', false);
-        PERFORM pg_try_advisory_lock({INDEX_TRAP_LOCK});
+        -- Tried, each: the extension may refuse some (42501) and must
+        -- undo the others.
+        BEGIN PERFORM set_config('search_path', '{INDEX_TRAP_PATH}', false); EXCEPTION WHEN OTHERS THEN NULL; END;
+        BEGIN PERFORM set_config('work_mem', '{INDEX_TRAP_WORK_MEM}', false); EXCEPTION WHEN OTHERS THEN NULL; END;
+        BEGIN PERFORM pg_try_advisory_lock({INDEX_TRAP_LOCK}); EXCEPTION WHEN OTHERS THEN NULL; END;
     END IF;
 END $$;
 
@@ -413,24 +415,36 @@ def summary():
 
 
 def take_log():
-    """The rows recorded since the last call (removed) and the count of
-    recordings (which a rollback does not undo) until now."""
+    """What the traps recorded since the last call (removed), grouped as
+    (count, label, who, session role, query, stack), and the count of
+    recordings until now (a rollback does not undo it; a crash restart
+    resets it, with the log: unlogged)."""
     with connect_raw() as c:
         logged = rows(
             c,
-            "DELETE FROM public.trap_log RETURNING at, who, session_role, label, pid, query, stack",
+            "WITH taken AS (DELETE FROM public.trap_log RETURNING *) "
+            "SELECT count(*), label, who::text, session_role::text, query, stack FROM taken "
+            "GROUP BY label, who, session_role, query, stack ORDER BY min(at)",
         )
         fired = rows(c, "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM public.trap_fired")[0][0]
-    return sorted(logged), fired
+    return logged, fired
 
 
-def format_log(logged):
+def fired_since(before, now):
+    """Recordings between two counts of take_log() (the count starts again
+    from 0 after a crash restart)."""
+    return now - before if now >= before else now
+
+
+def format_log(logged, limit=10):
     out = []
-    for at, who, session_role, label, pid, query, stack in logged:
+    for count, label, who, session_role, query, stack in logged[:limit]:
         out.append(
-            f"- {label} as {who} (session {session_role}, pid {pid}, {at:%H:%M:%S.%f})\n"
+            f"- {count} x {label} as {who} (session {session_role})\n"
             f"  query: {query!r}\n  stack:\n" + "\n".join("    " + line for line in (stack or "").splitlines())
         )
+    if len(logged) > limit:
+        out.append(f"- and {len(logged) - limit} other (trap, role, query, stack) groups")
     return "\n".join(out)
 
 

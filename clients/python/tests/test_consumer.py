@@ -165,3 +165,30 @@ def test_another_roles_session_holding_the_consumers_lock_is_an_error_not_a_wait
         squatter.execute("SELECT pg_advisory_unlock_all()")
         with consumer.batch() as batch:
             assert len(batch) == 0
+
+
+def test_a_prepared_transaction_holding_the_consumers_lock_is_an_error_not_a_wait(db, stream):
+    """The adversary's variant: a prepared transaction holds the consumer's
+    lock (transaction-level, kept by PREPARE TRANSACTION): no session is
+    its holder, and the consumer waited for good."""
+    import psycopg
+
+    if int(db.execute("SHOW max_prepared_transactions").fetchone()[0]) == 0:
+        pytest.skip("max_prepared_transactions = 0")
+    setup_events(db, stream)
+    with connect() as conn, connect() as squatter:
+        consumer = streampos.Consumer(conn, stream, "c", timeout_ms=0)
+        consumer.register(since="0")
+        key, text = consumer._lock_key()
+        gid = f"{stream}_squat"
+        squatter.execute("BEGIN")
+        squatter.execute("SELECT pg_advisory_xact_lock(%s::int4, hashtext(%s))", (key, text))
+        squatter.execute(f"PREPARE TRANSACTION '{gid}'")
+        try:
+            with pytest.raises(psycopg.errors.LockNotAvailable, match="prepared transaction"):
+                with consumer.batch():
+                    pass
+        finally:
+            db.execute(f"ROLLBACK PREPARED '{gid}'")
+        with consumer.batch() as batch:
+            assert len(batch) == 0

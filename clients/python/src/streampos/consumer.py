@@ -167,20 +167,26 @@ class Consumer:
             if row and row[0]:
                 break
             holder = self._lock_holder()
-            if holder is not None and holder[1] != self.conn.info.parameter_status("session_authorization"):
+            if holder is None:
+                continue  # released meanwhile
+            # No session holds it (a prepared transaction does), or one of
+            # another role does: never wait for that.
+            if holder[0] is None or holder[1] != self.conn.info.parameter_status("session_authorization"):
+                who = "a prepared transaction" if holder[0] is None else f"process {holder[0]} of role {holder[1]!r}"
                 raise psycopg.errors.LockNotAvailable(
                     f"the lock of consumer {self.name!r} of stream {self.stream!r} is held by "
-                    f"process {holder[0]} of role {holder[1]!r}, not a process of this consumer"
+                    f"{who}, not a process of this consumer"
                 )
             time.sleep(0.2)
         self._locked = True
 
     def _lock_holder(self) -> Optional[tuple]:
-        """(pid, role) of the session that holds the consumer's lock."""
+        """(pid, role) of the session that holds the consumer's lock ((None,
+        None): a prepared transaction holds it; None: nothing does)."""
         key, text = self._lock_key()
-        return self.conn.execute(
+        row = self.conn.execute(
             "SELECT l.pid, a.usename::pg_catalog.text FROM pg_catalog.pg_locks l "
-            "JOIN pg_catalog.pg_stat_activity a ON a.pid OPERATOR(pg_catalog.=) l.pid "
+            "LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid OPERATOR(pg_catalog.=) l.pid "
             "WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted "
             "AND l.objsubid OPERATOR(pg_catalog.=) 2 "
             "AND l.classid OPERATOR(pg_catalog.=) (%s::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid "
@@ -191,6 +197,7 @@ class Consumer:
             "LIMIT 1",
             (key, text),
         ).fetchone()
+        return row
 
     def _lock_key(self) -> tuple:
         # The two-integer advisory lock space (the application's bigint
