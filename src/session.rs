@@ -105,9 +105,12 @@ unsafe extern "C-unwind" fn on_object_access(
     {
         refuse_session_function(object_id);
     }
-    // SAFETY: the previous hook, if any, has this signature.
-    if let Some(previous) = unsafe { PREVIOUS_HOOK } {
-        unsafe { previous(access, class_id, object_id, sub_id, arg) };
+    // SAFETY: PREVIOUS_HOOK is written once, from _PG_init; the previous
+    // hook, if any, has this signature and is called with our arguments.
+    unsafe {
+        if let Some(previous) = PREVIOUS_HOOK {
+            previous(access, class_id, object_id, sub_id, arg);
+        }
     }
 }
 
