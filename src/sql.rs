@@ -65,9 +65,18 @@ fn with_safe_path<T>(f: impl FnOnce() -> T) -> T {
 /// # Safety
 /// The caller opened a GUC nest level that it closes.
 unsafe fn restrict_search_path() {
+    set_in_nest_level(c"search_path", c"pg_catalog, pg_temp");
+}
+
+/// Set `name` to `value` in the current GUC nest level (a session-level
+/// SET, saved: undone when the level closes).
+///
+/// # Safety
+/// The caller opened a GUC nest level that it closes.
+unsafe fn set_in_nest_level(name: &CStr, value: &CStr) {
     pg_sys::set_config_option(
-        c"search_path".as_ptr(),
-        c"pg_catalog, pg_temp".as_ptr(),
+        name.as_ptr(),
+        value.as_ptr(),
         pg_sys::GucContext::PGC_USERSET,
         pg_sys::GucSource::PGC_S_SESSION,
         pg_sys::GucAction::GUC_ACTION_SAVE,
@@ -98,16 +107,7 @@ pub fn with_lock_wait_bound<T>(f: impl FnOnce() -> T) -> T {
             return f();
         };
         let level = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"lock_timeout".as_ptr(),
-            value.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
+        set_in_nest_level(c"lock_timeout", &value);
         let result = f();
         pg_sys::AtEOXact_GUC(false, level);
         result
@@ -1480,16 +1480,7 @@ fn kept_plan(
 /// # Safety
 /// The caller opened a GUC nest level that it closes (`with_safe_path`).
 unsafe fn force_generic_plan() {
-    pg_sys::set_config_option(
-        c"plan_cache_mode".as_ptr(),
-        c"force_generic_plan".as_ptr(),
-        pg_sys::GucContext::PGC_USERSET,
-        pg_sys::GucSource::PGC_S_SESSION,
-        pg_sys::GucAction::GUC_ACTION_SAVE,
-        true,
-        0,
-        false,
-    );
+    set_in_nest_level(c"plan_cache_mode", c"force_generic_plan");
 }
 
 /// The rows the statement just run in this SPI connection returned, each

@@ -42,6 +42,26 @@ def write(conn, stream, writer):
     return i
 
 
+def start_big_allocation(db, big, stream, seq, pool):
+    """`next_ids(stream, 'big', BIG)` in `big`'s open transaction, on a
+    thread: its future, once the call has taken its first 2 000 IDs (or
+    finished)."""
+    start = sequence_value(db, seq)
+    future = pool.submit(
+        one,
+        big,
+        "SELECT x[1] FROM (SELECT streampos.next_ids(%s, 'big', %s) x) s",
+        (stream, BIG),
+    )
+    wait_until(
+        lambda: future.done() or sequence_value(db, seq) >= start + 2000,
+        timeout=10,
+        interval=0.001,
+        message="the big allocation to be under way",
+    )
+    return future
+
+
 def not_behind(conn, stream, token):
     """Is `token` at or before the stream's current token for this
     statement's snapshot?"""
@@ -66,20 +86,8 @@ def test_ack_takes_the_token_updates_returned_while_a_big_allocation_runs(connec
             # big call below reuses it (and moves its WAL position on).
             one(big, "SELECT streampos.next_ids(%s, 'big', 1)", (stream,))
             flush_wal(db)
-        start = sequence_value(db, seq)
-        future = pool.submit(
-            one,
-            big,
-            "SELECT x[1] FROM (SELECT streampos.next_ids(%s, 'big', %s) x) s",
-            (stream, BIG),
-        )
         # Another writer commits above the IDs the big call has taken so far.
-        wait_until(
-            lambda: future.done() or sequence_value(db, seq) >= start + 2000,
-            timeout=10,
-            interval=0.001,
-            message="the big allocation to be under way",
-        )
+        future = start_big_allocation(db, big, stream, seq, pool)
         w1_id = write(w1, stream, "w1")
         consumer.execute("BEGIN")
         answer = one(
@@ -123,19 +131,7 @@ def test_a_plain_follower_is_never_handed_a_position_a_later_statement_has_not_s
     seen = set()
     for attempt in range(ATTEMPTS):
         big.execute("BEGIN")
-        start = sequence_value(db, seq)
-        future = pool.submit(
-            one,
-            big,
-            "SELECT x[1] FROM (SELECT streampos.next_ids(%s, 'big', %s) x) s",
-            (stream, BIG),
-        )
-        wait_until(
-            lambda: future.done() or sequence_value(db, seq) >= start + 2000,
-            timeout=10,
-            interval=0.001,
-            message="the big allocation to be under way",
-        )
+        future = start_big_allocation(db, big, stream, seq, pool)
         write(w1, stream, "w1")
         answer = one(follower, "SELECT streampos.updates(%s, %s::streampos.multi_writer_token, 10000)", (stream, token))
         token = answer["token"]

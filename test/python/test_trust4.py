@@ -33,6 +33,30 @@ def needs_prepared_transactions(conn):
 # ------------------------------------------ finding 1: what outlives a start
 
 
+def prepared_row_of_a_hold(connect, db, stream, rows_before=0, rows_after=0):
+    """A stream whose held ID's row is written by a PREPAREd transaction,
+    with `rows_before` and `rows_after` committed rows around the hold:
+    (table, held ID, the prepared transaction's gid)."""
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    commit_rows(db, stream, table, rows_before)
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    writer = connect()
+    gid = f"{stream}_gid"
+    writer.execute("BEGIN")
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    commit_rows(db, stream, table, rows_after)
+    return table, held, gid
+
+
+def commit_rows(db, stream, table, n):
+    for _ in range(n):
+        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w')", (stream,))
+
+
 @pytest.mark.restarts_server
 @pytest.mark.parametrize("stop", ["immediate", "fast"])
 def test_a_prepared_row_of_a_held_id_is_not_passed_after_a_start(connect, db, stream, stop):
@@ -45,16 +69,7 @@ def test_a_prepared_row_of_a_held_id_is_not_passed_after_a_start(connect, db, st
     the stored frontier stays in flight until the transactions that were
     running at the stream's first use (the prepared one among them) end."""
     needs_prepared_transactions(db)
-    create_stream(db, stream)
-    table = f"{stream}_t"
-    db.execute(f"CREATE TABLE {table} (id bigint)")
-    holder = connect()
-    [held] = hold(holder, stream, "p")
-    writer = connect()
-    gid = f"{stream}_gid"
-    writer.execute("BEGIN")
-    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
-    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    table, held, gid = prepared_row_of_a_hold(connect, db, stream)
     try:
         assert commit_ids(db, stream, "w") == [held + 1]
         # The position worker stores what it saw (the frontier held at 0).
@@ -88,20 +103,7 @@ def test_a_snapshot_from_before_commit_prepared_is_not_passed_the_row(connect, d
     whose row its snapshot cannot see. Now the decision is the snapshots'
     horizon against the first xid of the start: it cannot change back."""
     needs_prepared_transactions(db)
-    create_stream(db, stream)
-    table = f"{stream}_t"
-    db.execute(f"CREATE TABLE {table} (id bigint)")
-    for _ in range(3):
-        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w')", (stream,))
-    holder = connect()
-    [held] = hold(holder, stream, "p")
-    writer = connect()
-    gid = f"{stream}_gid"
-    writer.execute("BEGIN")
-    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
-    writer.execute(f"PREPARE TRANSACTION '{gid}'")
-    for _ in range(3):
-        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w')", (stream,))
+    table, held, gid = prepared_row_of_a_hold(connect, db, stream, rows_before=3, rows_after=3)
     support.flush_wal(db)
     time.sleep(1.2)
     support.restart_server("fast")
