@@ -90,6 +90,9 @@ CREATE AGGREGATE advance(room_stream_token) (
     PARALLEL = SAFE
 );
 
+-- PREFERRED: an argument of unknown type (a driver's untyped parameter, a
+-- quoted literal) given to a function or operator with an overload for
+-- each token type is a multi-writer token, not an ambiguity (42725).
 CREATE TYPE multi_writer_token (
     INPUT = multi_writer_token_in,
     OUTPUT = multi_writer_token_out,
@@ -97,7 +100,8 @@ CREATE TYPE multi_writer_token (
     SEND = multi_writer_token_send,
     INTERNALLENGTH = VARIABLE,
     ALIGNMENT = int4,
-    STORAGE = extended
+    STORAGE = extended,
+    PREFERRED = true
 );
 
 CREATE OPERATOR < (
@@ -236,7 +240,9 @@ AS 'MODULE_PATHNAME', 'register_consumer_wrapper';
 -- consumers of roles it has the privileges of.
 CREATE TABLE consumer_positions (
     stream_name text NOT NULL REFERENCES streams ON DELETE CASCADE ON UPDATE CASCADE,
-    consumer_name text NOT NULL CHECK (octet_length(consumer_name) BETWEEN 1 AND 63),
+    -- 1 to 63 bytes: register_consumer checks (no CHECK constraint, which
+    -- PostgreSQL would parse again for every acknowledgement).
+    consumer_name text NOT NULL,
     owner regrole NOT NULL,
     position multi_writer_token NOT NULL,
     registered_at timestamptz NOT NULL,

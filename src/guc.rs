@@ -23,6 +23,12 @@ pub static LOG_HELD_BACK_AFTER_MS: GucSetting<i32> = GucSetting::<i32>::new(30_0
 /// stream takes a burst of commits in one call instead of one call per
 /// commit; an idle follower is woken at once. 0: at once, always.
 pub static FOLLOWER_BATCH_MS: GucSetting<i32> = GucSetting::<i32>::new(5);
+/// `next_id` and `next_ids` in a bare `SELECT` outside a transaction block
+/// warn that their IDs are finished when the statement ends.
+pub static WARN_FINISHED_AT_ONCE: GucSetting<bool> = GucSetting::<bool>::new(true);
+/// `updates()` writes bigint values (positions, bigint columns) as JSON
+/// strings: JavaScript's numbers round integers above 2^53.
+pub static JSON_BIGINT_AS_STRING: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Test builds only (feature `test-hooks`): sleep between publishing the
 /// lower bound and calling nextval, to prove that readers respect the lower
 /// bound.
@@ -146,6 +152,22 @@ fn define_runtime() {
         1000,
         GucContext::Userset,
         GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_bool_guc(
+        c"streampos.warn_finished_at_once",
+        c"next_id() and next_ids() in a bare SELECT outside a transaction block warn that their IDs are finished when it ends.",
+        c"A row written with such an ID by a later statement can be passed by followers.",
+        &WARN_FINISHED_AT_ONCE,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"streampos.json_bigint_as_string",
+        c"updates() writes bigint values (the position, bigint columns) as JSON strings.",
+        c"For clients whose JSON numbers are doubles (JavaScript): integers above 2^53 would be rounded.",
+        &JSON_BIGINT_AS_STRING,
+        GucContext::Userset,
+        GucFlags::default(),
     );
     #[cfg(feature = "test-hooks")]
     define_test_hooks();

@@ -192,20 +192,37 @@ pub fn lock_consumers(stream_key: i32, exclusive: bool) {
     });
 }
 
-/// The role that owns the extension (and its catalog tables).
+/// The role that owns the extension: the owner of its catalog tables,
+/// which its script created (and `REASSIGN OWNED` moves with it). Read from
+/// the catalog caches, not queried: every catalog write asks (an
+/// acknowledgement each time), and a change of owner invalidates them.
 fn extension_owner() -> pg_sys::Oid {
-    // Kept: every catalog write asks (an acknowledgement each time).
-    kept_select(
-        pg_sys::InvalidOid,
-        "SELECT e.extowner FROM pg_catalog.pg_extension e \
-         WHERE e.extname OPERATOR(pg_catalog.=) 'streampos'",
-        &[],
-        &[],
-        // SAFETY: a row of the statement's result; extowner is an oid.
-        |tuple, desc| unsafe { column::<pg_sys::Oid>(tuple, desc, 1) },
-    )
-    .pop()
-    .unwrap_or_else(|| Error::Internal("extension streampos is not installed".into()).report())
+    // SAFETY: syscache lookups (InvalidOid or NULL when missing); the
+    // owner is copied before the tuple is released.
+    let owner = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
+        let rel = if nsp == pg_sys::InvalidOid {
+            pg_sys::InvalidOid
+        } else {
+            pg_sys::get_relname_relid(c"streams".as_ptr(), nsp)
+        };
+        let tuple = pg_sys::SearchSysCache1(
+            pg_sys::SysCacheIdentifier::RELOID as i32,
+            pg_sys::Datum::from(rel),
+        );
+        if tuple.is_null() {
+            pg_sys::InvalidOid
+        } else {
+            let form = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_class>(tuple);
+            let owner = form.relowner;
+            pg_sys::ReleaseSysCache(tuple);
+            owner
+        }
+    };
+    if owner == pg_sys::InvalidOid {
+        Error::Internal("extension streampos is not installed".into()).report()
+    }
+    owner
 }
 
 /// Run `f` as `role` exactly as PostgreSQL's maintenance commands run a
@@ -1667,10 +1684,14 @@ fn row_json(table: &StreamTable) -> String {
 /// any other is the text of the type's output function (through `format`,
 /// which calls it directly: a cast to text is code the type's owner may
 /// have written, and so is a cast to json, which to_jsonb would look up), or
-/// null.
+/// null. A bigint is a JSON string with `streampos.json_bigint_as_string`.
 fn json_column(column: &str, type_oid: pg_sys::Oid) -> String {
     let c = quote_ident(column);
-    if built_in_type(type_oid) {
+    if type_oid == pg_sys::INT8OID && crate::guc::JSON_BIGINT_AS_STRING.get() {
+        // Exact for clients whose numbers are doubles (the statement's text
+        // differs: a statement kept of its own).
+        format!("t.{c}::pg_catalog.text")
+    } else if built_in_type(type_oid) {
         format!("t.{c}")
     } else {
         format!(
@@ -1708,7 +1729,11 @@ pub fn updates_answer(
         let Some(rows) = rows else { continue };
         answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
         answer.string(elem, &table.name);
-        answer.number(position);
+        if crate::guc::JSON_BIGINT_AS_STRING.get() {
+            answer.string(elem, &position.to_string());
+        } else {
+            answer.number(position);
+        }
         answer.number(rows.len() as i64);
         answer.number(table.columns.len() as i64);
         for column in &table.columns {

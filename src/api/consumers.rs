@@ -291,20 +291,19 @@ fn unregister_consumer(stream: &str, consumer: &str) -> bool {
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToken {
     let meta = forward_stream(stream);
-    match sql::consumer(stream, consumer) {
-        Some(row) => check_owner(stream, consumer, row.owner),
-        None => unknown_consumer(stream, consumer),
-    }
     refuse_negative(&token.0);
     refuse_past_frontier(stream, &token.0);
     sql::lock_consumers(meta.key, false);
+    // One statement, no lookup first: the owner of the row version written
+    // is checked afterwards, and a caller that does not act as it gets an
+    // ERROR, whose abort undoes the write (and lets its row lock go).
     match sql::advance_consumer(stream, consumer, &token.0.to_text(TokenKind::MultiWriter)) {
         Some((owner, position)) => {
             check_owner(stream, consumer, owner);
             MultiWriterToken(parse_stored(&position))
         }
-        // Unregistered by a transaction that committed while we waited
-        // for its row lock.
+        // Never registered, or unregistered by a transaction that
+        // committed while we waited for its row lock.
         None => unknown_consumer(stream, consumer),
     }
 }

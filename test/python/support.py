@@ -5,9 +5,9 @@ The runner (scripts/test) starts a cluster with streampos preloaded and sets
 STREAMPOS_PGHOST, STREAMPOS_PGPORT and STREAMPOS_PGDATA.
 """
 
-
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -21,6 +21,18 @@ PGDATA = os.environ.get("STREAMPOS_PGDATA")
 PGUSER = os.environ.get("STREAMPOS_PGUSER", "postgres")
 PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 DBNAME = "streampos_pytest"
+
+
+def _extension_version():
+    """The version this source builds (Cargo.toml's), which a fresh
+    CREATE EXTENSION and ALTER EXTENSION ... UPDATE reach."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "Cargo.toml")
+    with open(path) as f:
+        return re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+
+
+EXTENSION_VERSION = _extension_version()
+
 # A SQL file run in every scratch database after CREATE EXTENSION (e.g. to
 # try SQL objects against the tests without rebuilding the extension).
 EXTRA_SQL = os.environ.get("STREAMPOS_TEST_EXTRA_SQL")

@@ -246,6 +246,15 @@ def test_only_the_owner_moves_or_forgets_a_consumer(connect, stream, roles):
     assert one(db, "SELECT owner::text FROM streampos.consumers WHERE stream_name = %s", (stream,)) == role_a
     err = expect_error(b, "SELECT streampos.ack(%s, 'mine', '2')", (stream,), sqlstate="42501")
     assert err.diag.message_primary == f'must be owner of consumer "mine" of stream "{stream}"'
+    # ack writes first and checks the owner of what it wrote: the refusal's
+    # abort undoes the write, also when the caller goes on after a savepoint.
+    acked_at = one(db, "SELECT acked_at FROM streampos.consumer_positions WHERE stream_name = %s", (stream,))
+    with b.transaction():
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            with b.transaction():
+                b.execute("SELECT streampos.ack(%s, 'mine', '2')", (stream,))
+    assert one(db, "SELECT acked_at FROM streampos.consumer_positions WHERE stream_name = %s", (stream,)) == acked_at
+    err = expect_error(b, "SELECT streampos.ack(%s, 'nobody', '2')", (stream,), sqlstate="42704")
     expect_error(b, "SELECT streampos.unregister_consumer(%s, 'mine')", (stream,), sqlstate="42501")
     err = expect_error(b, "SELECT streampos.register_consumer(%s, 'mine')", (stream,), sqlstate="42710")
     assert role_a in err.diag.message_detail

@@ -587,7 +587,8 @@ def test_the_followers_statement_is_planned_once_per_session(connect, stream):
         with support.connect_raw() as c:
             c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             c.execute("SELECT pg_stat_statements_reset()")
-            for since in ("3", "2"):
+            # One row behind and two: a caught-up follower ("3") reads no table.
+            for since in ("2", "1"):
                 for _ in range(50):
                     c.execute("SELECT streampos.updates(%s, %s, 100, 0)", (stream, since))
             plans = one(
@@ -599,3 +600,82 @@ def test_the_followers_statement_is_planned_once_per_session(connect, stream):
             c.execute("DROP EXTENSION pg_stat_statements")
     finally:
         support.restart_server("fast")
+
+
+def test_a_caught_up_follower_reads_no_table(connect, stream):
+    """Issue 32: nothing past `since` (the most frequent call) is answered
+    without reading the stream's tables, and the answer is the one a read
+    gives: the token, and each table's header with no rows."""
+    db = connect()
+    create_stream(db, stream)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, body text)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    for _ in range(3):
+        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', 'x'", (stream,))
+    scans = (f"SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0) FROM pg_stat_xact_user_tables "
+             f"WHERE relname = '{table}'")
+    # The stream's first use in the server reads its tables once (its
+    # history's start): not what is counted here.
+    one(db, "SELECT streampos.updates(%s, '2')", (stream,))
+    # The view counts what this backend has not reported yet, which a
+    # transaction block does not (between its statements nothing is).
+    with db.transaction():
+        before = one(db, scans)
+        for _ in range(5):
+            answer = one(db, "SELECT streampos.updates(%s, '3')", (stream,))
+        assert one(db, scans) == before
+        assert answer == {"token": "3", "limited": False, "data": [[f"public.{table}", 3, 0, 3, "id", "instance_name", "body"]]}
+        behind = one(db, "SELECT streampos.updates(%s, '2')", (stream,))
+        assert one(db, scans) > before
+    assert behind["token"] == "3" and behind["data"][1] == [3, "w", "x"]
+
+
+def test_next_id_in_a_bare_select_outside_a_transaction_block_warns(connect, stream):
+    """Issue 32: a bare SELECT of next_id() in autocommit finishes the ID
+    when it returns; a row a later statement writes with it can be passed.
+    A WARNING (25P01, as PostgreSQL's own for a transaction command outside
+    a block) tells the caller; the INSERT that allocates, a transaction
+    block, hold_ids() and the setting turned off are not warned about."""
+    db = connect()
+    create_stream(db, stream)
+    db.execute(f"CREATE TABLE {stream}_ev (id bigint)")
+    seen = []
+    db.add_notice_handler(lambda d: seen.append((d.severity_nonlocalized, d.sqlstate, d.message_primary)))
+    db.execute("SELECT streampos.next_id(%s, 'w')", (stream,))
+    db.execute("SELECT streampos.next_ids(%s, 'w', 2)", (stream,))
+    assert seen == [
+        ("WARNING", "25P01", f'{f}() outside a transaction block finishes its IDs of stream "{stream}" when this statement ends')
+        for f in ("next_id", "next_ids")
+    ]
+    seen.clear()
+    db.execute(f"INSERT INTO {stream}_ev SELECT streampos.next_id(%s, 'w')", (stream,))
+    with db.transaction():
+        db.execute("SELECT streampos.next_id(%s, 'w')", (stream,))
+    db.execute("SELECT streampos.release_ids(%s, streampos.hold_ids(%s, 'w'))", (stream, stream))
+    db.execute("SET streampos.warn_finished_at_once = off")
+    db.execute("SELECT streampos.next_id(%s, 'w')", (stream,))
+    assert seen == []
+
+
+def test_bigint_values_as_json_strings_for_javascript(connect, stream):
+    """Issue 32: JavaScript's numbers round integers above 2^53 (a
+    follower got 9007199254740992 for ID 9007199254740993). With
+    streampos.json_bigint_as_string the answer's positions and bigint
+    columns are strings, exact in every language; the default stays
+    numbers (older clients)."""
+    db = connect()
+    seq = create_stream(db, stream)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, n integer, ts bigint)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    db.execute(f"SELECT setval('{seq}', 9007199254740992)")
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', 7, 9007199254740995", (stream,))
+    big = 9007199254740993
+    answer = one(db, "SELECT streampos.updates(%s, '0')::text", (stream,))
+    assert f"[{big}, \"w\", 7, 9007199254740995]" in answer
+    db.execute("SET streampos.json_bigint_as_string = on")
+    answer = one(db, "SELECT streampos.updates(%s, '0')", (stream,))
+    assert answer["token"] == str(big)
+    assert answer["data"] == [[f"public.{table}", str(big), 1, 4, "id", "instance_name", "n", "ts"],
+                              [str(big), "w", 7, "9007199254740995"]]

@@ -182,3 +182,23 @@ def test_update_rechecks_check_constraints(scratch_db):
     refused(conn, "23514", "bad", "early")
     conn.execute("DELETE FROM bad")
     update(conn)
+
+
+def test_untyped_token_parameters_are_multi_writer_tokens(db):
+    """Issue 32: a driver that sends parameters untyped (psycopg 3 sends a
+    str so) called is_before_or_eq($1, $2) or instance_pos($1, 'w2') and
+    got 42725 (an overload for each token type). The multi-writer token is
+    its category's preferred type: an unknown argument is one. A room token
+    is cast."""
+    assert db.execute("SELECT streampos.is_before_or_eq(%s, %s)", ("m5~1.7", "m6~1.7")).fetchone()[0] is True
+    assert db.execute("SELECT streampos.instance_pos(%s, 1)", ("m5~1.7",)).fetchone()[0] == 7
+    assert db.execute("SELECT streampos.advance(%s, %s)::text", ("5", "m3~1.9")).fetchone()[0] == "m5~1.9"
+    assert db.execute("SELECT streampos.max_stream_pos(%s)", ("m5~1.7",)).fetchone()[0] == 7
+    assert db.execute("SELECT pg_typeof(streampos.bound(%s, 6))::text", ("m5~1.7",)).fetchone()[0] == (
+        "streampos.multi_writer_token"
+    )
+    assert db.execute(
+        "SELECT streampos.is_before_or_eq(%s::streampos.room_stream_token, %s)", ("s5", "t3-6")
+    ).fetchone()[0] is True
+    with pytest.raises(psycopg.errors.InvalidTextRepresentation):
+        db.execute("SELECT streampos.is_before_or_eq(%s, %s)", ("s5", "s6"))

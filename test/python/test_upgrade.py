@@ -11,9 +11,7 @@ import uuid
 import psycopg
 import pytest
 
-from support import connect_raw, one, rows
-
-CURRENT = "0.3.0"
+from support import EXTENSION_VERSION as CURRENT, connect_raw, ensure_login_role, one, rows
 
 
 def catalog(conn):
@@ -61,7 +59,8 @@ def catalog(conn):
     """)
     out["types"] = rows(conn, """
         SELECT t.typname, t.typlen, t.typalign, t.typstorage, t.typinput::text, t.typoutput::text,
-               t.typreceive::text, t.typsend::text, obj_description(t.oid, 'pg_type')
+               t.typreceive::text, t.typsend::text, obj_description(t.oid, 'pg_type'),
+               t.typcategory, t.typispreferred
         FROM pg_type t WHERE t.typnamespace = 'streampos'::regnamespace AND t.typtype = 'b'
         ORDER BY 1
     """)
@@ -281,3 +280,52 @@ def test_the_update_carries_updates_privileges_over(fresh_db):
         admin.execute(f"DROP OWNED BY {role}")
         admin.execute(f"DROP ROLE {role}")
         admin.close()
+
+
+@pytest.mark.parametrize("start", ["0.2.0", "0.3.0"])
+def test_each_released_version_updates_to_exactly_a_fresh_install(fresh_db, start):
+    upgraded = connect_raw(fresh_db())
+    upgraded.execute(f"CREATE EXTENSION streampos VERSION '{start}'")
+    upgraded.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+    fresh = connect_raw(fresh_db())
+    fresh.execute("CREATE EXTENSION streampos")
+    got, want = catalog(upgraded), catalog(fresh)
+    for part in want:
+        assert got[part] == want[part], f"{part} differs after the update from {start}"
+    upgraded.close()
+    fresh.close()
+
+
+def test_a_view_anyone_made_on_0_2_0s_updates_does_not_stop_the_update(fresh_db):
+    """Issue 31, finding 5: a role with no privileges made a temporary view
+    calling 0.2.0's updates() and kept its session; 0.2.0 -> 0.3.0 drops
+    that function and failed with 2BP01 (with CREATE on a schema, a
+    permanent view stopped it for good). 0.2.0 -> 0.4.0 is one step that
+    keeps the old function as updates_0_2 while something depends on it:
+    the update goes through, the view still answers, updates() is the new
+    one."""
+    name = fresh_db()
+    admin = connect_raw(name)
+    admin.execute("CREATE EXTENSION streampos VERSION '0.2.0'")
+    admin.execute("SELECT streampos.create_stream('pin_s')")
+    admin.execute("CREATE TABLE pin_ev (id bigint, w text)")
+    admin.execute("SELECT streampos.add_table('pin_s', 'pin_ev', 'id', 'w')")
+    admin.execute("GRANT SELECT ON pin_ev TO PUBLIC")
+    admin.execute("INSERT INTO pin_ev SELECT streampos.next_id('pin_s', 'w1'), 'w1'")
+    nobody = connect_raw(name, user=ensure_login_role("streampos_pinner"))
+    nobody.execute("CREATE TEMP VIEW pin AS SELECT streampos.updates('pin_s', '0'::streampos.multi_writer_token, 1, 0)")
+    with pytest.raises(psycopg.errors.DependentObjectsStillExist):
+        admin.execute("ALTER EXTENSION streampos UPDATE TO '0.3.0'")
+    admin.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+    assert one(admin, "SELECT extversion FROM pg_extension WHERE extname = 'streampos'") == CURRENT
+    assert one(nobody, "SELECT * FROM pin")["token"] == "1"
+    assert one(admin, "SELECT streampos.updates('pin_s', consumer => NULL, since => '0')")["token"] == "1"
+    assert one(admin, "SELECT count(*) FROM pg_proc WHERE proname = 'updates_0_2'") == 1
+    nobody.close()
+    # Without dependents the old function is dropped: exactly a fresh install.
+    other = connect_raw(fresh_db())
+    other.execute("CREATE EXTENSION streampos VERSION '0.2.0'")
+    other.execute(f"ALTER EXTENSION streampos UPDATE TO '{CURRENT}'")
+    assert one(other, "SELECT count(*) FROM pg_proc WHERE proname = 'updates_0_2'") == 0
+    other.close()
+    admin.close()

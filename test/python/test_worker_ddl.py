@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
+import support
 from support import (
     DBNAME,
     PG_BIN,
@@ -194,7 +195,7 @@ def test_alter_extension_update_while_the_worker_stores(fast_worker):
                            message="positions stored in 0.2.0's catalog")
                 time.sleep(random.random() * 0.02)
                 c.execute("ALTER EXTENSION streampos UPDATE")
-                assert one(c, "SELECT extversion FROM pg_extension WHERE extname = 'streampos'") == "0.3.0"
+                assert one(c, "SELECT extversion FROM pg_extension WHERE extname = 'streampos'") == support.EXTENSION_VERSION
                 time.sleep(0.05)
             wait_stored_right(c, "events")
             c.execute("DROP EXTENSION streampos CASCADE")

@@ -40,7 +40,8 @@ table's owner. When recording, a trap also tries to change the caller's
 session (``search_path``, and for the index trap ``work_mem`` and a
 session-level advisory lock): the extension must discard that. A record is
 a row of ``public.trap_log`` (unlogged, INSERT for PUBLIC) and a step of the
-unlogged sequence ``public.trap_fired``, which a rollback does not undo.
+sequence ``public.trap_fired`` (unlogged from PostgreSQL 15), which a
+rollback does not undo.
 
 STREAMPOS_TRAPS=0 turns all of this off.
 """
@@ -158,7 +159,7 @@ CREATE UNLOGGED TABLE public.trap_log (
     at timestamptz DEFAULT pg_catalog.clock_timestamp(),
     who name, session_role name, label text, stack text, query text, pid integer);
 GRANT INSERT ON public.trap_log TO PUBLIC;
-CREATE UNLOGGED SEQUENCE public.trap_fired;
+CREATE {{sequence_persistence}} SEQUENCE public.trap_fired;
 GRANT USAGE ON SEQUENCE public.trap_fired TO PUBLIC;
 
 CREATE FUNCTION public.trap_fire(label text, rel oid DEFAULT NULL) RETURNS void
@@ -303,8 +304,11 @@ def plant():
     with connect_raw() as admin:
         admin.execute(f"GRANT CREATE ON SCHEMA public TO {TRAPPER}")
         if rows(admin, "SELECT to_regprocedure('public.trap_fire(text, oid)')")[0][0] is None:
+            # Unlogged sequences came with PostgreSQL 15; a logged one is only
+            # not reset by a crash restart (fired_since copes with both).
+            unlogged = int(rows(admin, "SHOW server_version_num")[0][0]) >= 150000
             with connect_raw(user=TRAPPER) as t:
-                t.execute(MACHINERY)
+                t.execute(MACHINERY.replace("{sequence_persistence}", "UNLOGGED" if unlogged else ""))
         if not rows(admin, "SELECT 1 FROM pg_event_trigger WHERE evtname = 'trap_add_index'"):
             admin.execute(EVENT_TRIGGER.replace("{exempt}", _literal(_exempt_regex())))
         if rows(admin, f"SELECT to_regprocedure('{MARKER}')")[0][0] is not None:
