@@ -371,6 +371,33 @@ fn quote_ident(ident: &str) -> String {
 /// The schema-qualified, quoted name of relation `oid` now, for SQL text
 /// and messages; `oid <n>` if it no longer exists.
 pub fn relation_name(oid: pg_sys::Oid) -> String {
+    relation_name_rc(oid).to_string()
+}
+
+/// `relation_name`, kept until a relation or a schema changes (a follower
+/// asks on every call; a rename of either invalidates it).
+fn relation_name_rc(oid: pg_sys::Oid) -> std::rc::Rc<str> {
+    let generation = relations_generation();
+    if let Some(name) = RELATION_NAMES.with(|n| {
+        n.borrow()
+            .get(&oid)
+            .filter(|(g, _)| *g == generation)
+            .map(|(_, name)| name.clone())
+    }) {
+        return name;
+    }
+    let name: std::rc::Rc<str> = look_up_relation_name(oid).into();
+    RELATION_NAMES.with(|n| {
+        let mut names = n.borrow_mut();
+        if names.len() >= MAX_KEPT {
+            names.clear();
+        }
+        names.insert(oid, (generation, name.clone()));
+    });
+    name
+}
+
+fn look_up_relation_name(oid: pg_sys::Oid) -> String {
     // SAFETY: syscache lookups that return NULL (not an ERROR) for a missing
     // relation or schema; the strings are palloc'd and NUL-terminated.
     unsafe {
@@ -1445,9 +1472,40 @@ thread_local! {
 const MAX_KEPT: usize = 256;
 
 /// A relation changed (relcache invalidation; InvalidOid: any): kept
-/// statements are dropped at their next use. Safe from any callback.
+/// statements are dropped at their next use, and names and statement texts
+/// made before are not used again. Safe from any callback.
 pub fn relations_changed() {
     KEPT_STALE.with(|s| s.set(true));
+    RELATIONS_GENERATION.with(|g| g.set(g.get().wrapping_add(1)));
+}
+
+thread_local! {
+    /// Moves at every relcache invalidation and schema change (see
+    /// `relations_changed`): what was derived from a relation's name or
+    /// columns under an earlier value is derived again.
+    static RELATIONS_GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// `relation_name` of each relation, as of a generation.
+    static RELATION_NAMES: std::cell::RefCell<crate::fast_hash::FastMap<pg_sys::Oid, (u64, std::rc::Rc<str>)>> =
+        std::cell::RefCell::new(crate::fast_hash::FastMap::default());
+    /// `update_rows`' statement text per (table, simple form, bigint as
+    /// text), as of a generation and for the columns it was built from.
+    static ROW_STATEMENTS: std::cell::RefCell<crate::fast_hash::FastMap<(pg_sys::Oid, bool, bool), RowStatement>> =
+        std::cell::RefCell::new(crate::fast_hash::FastMap::default());
+}
+
+/// A statement text of `update_rows` and what it was built from.
+struct RowStatement {
+    generation: u64,
+    name: std::rc::Rc<str>,
+    id_column: String,
+    instance_column: Option<String>,
+    columns: Vec<String>,
+    types: Vec<pg_sys::Oid>,
+    query: std::rc::Rc<str>,
+}
+
+fn relations_generation() -> u64 {
+    RELATIONS_GENERATION.with(|g| g.get())
 }
 
 /// The statement kept for (`rel`, `query`) (see `KEPT`), prepared in this
@@ -1593,36 +1651,40 @@ pub fn update_rows(
     range: &RowRange,
     limit: Option<i64>,
 ) -> Option<Vec<UpdateRow>> {
-    let id = quote_ident(&table.id_column);
-    let row = row_json(table);
-    let mut args = range.args();
-    args.push(match limit {
+    // Every writer at one position in `since`, and in `until`: the rows in
+    // range are those with low < id <= high, whoever wrote them (no token
+    // in the statement). Else each row's writer is looked up and compared.
+    let simple = range.low == range.every_writer_above && range.high == range.every_writer_up_to;
+    let limit = match limit {
         Some(n) => n.into(),
         None => DatumWithOid::null::<i64>(),
-    });
-    args.push(range.every_writer_above.into());
-    args.push(range.every_writer_up_to.into());
-    let types = [
-        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
-        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
-        PgOid::BuiltIn(PgBuiltInOids::TEXTOID),
-        PgOid::BuiltIn(PgBuiltInOids::TEXTOID),
-        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
-        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
-        PgOid::BuiltIn(PgBuiltInOids::INT8OID),
-    ];
+    };
+    const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
+    let (args, types) = if simple {
+        (
+            vec![range.low.into(), range.high.into(), limit],
+            vec![INT8, INT8, INT8],
+        )
+    } else {
+        let mut args = range.args();
+        args.extend([
+            limit,
+            range.every_writer_above.into(),
+            range.every_writer_up_to.into(),
+        ]);
+        (args, vec![INT8, INT8, TEXT, TEXT, INT8, INT8, INT8])
+    };
     let columns: Vec<&str> = table.columns.iter().map(String::as_str).collect();
     // Every relation the statement reads is locked before the table's name
     // is looked up (read_as_owner locks the table, then takes in pending
     // invalidations): a kept statement checked again while it runs then
     // takes no new lock, so no invalidation (a schema renamed) is taken in
     // between, and its text, if analysed again, names the table checked.
-    lock_instances_table();
+    if !simple {
+        lock_instances_table();
+    }
     read_as_owner(table.oid, &columns, |name| {
-        let query = format!(
-            "SELECT t.{id}::pg_catalog.int8, {row} {} ORDER BY t.{id} LIMIT $5",
-            rows_in_range(table, name)
-        );
+        let query = row_statement(table, name, simple);
         kept_select(table.oid, &query, &types, &args, |tuple, desc| {
             // SAFETY: a tuple of this statement's result, of two columns
             // (int8, jsonb); the jsonb value is copied into the upper (the
@@ -1641,6 +1703,63 @@ pub fn update_rows(
             }
         })
     })
+}
+
+/// `update_rows`' statement for `table` named `name` (`simple`: without
+/// the writers' positions; see there), built once per table until a
+/// relation or a schema changes (`relations_changed`) or its columns do.
+fn row_statement(table: &StreamTable, name: &str, simple: bool) -> std::rc::Rc<str> {
+    let generation = relations_generation();
+    let as_text = crate::guc::JSON_BIGINT_AS_STRING.get();
+    let key = (table.oid, simple, as_text);
+    let kept = ROW_STATEMENTS.with(|r| {
+        r.borrow().get(&key).and_then(|s| {
+            (s.generation == generation
+                && &*s.name == name
+                && s.id_column == table.id_column
+                && s.instance_column == table.instance_column
+                && s.columns == table.columns
+                && s.types == table.types)
+                .then(|| s.query.clone())
+        })
+    });
+    if let Some(query) = kept {
+        return query;
+    }
+    let id = quote_ident(&table.id_column);
+    let row = row_json(table);
+    let query: std::rc::Rc<str> = if simple {
+        format!(
+            "SELECT t.{id}::pg_catalog.int8, {row} FROM {name} t \
+             WHERE t.{id} OPERATOR(pg_catalog.>) $1 AND t.{id} OPERATOR(pg_catalog.<=) $2 \
+             ORDER BY t.{id} LIMIT $3"
+        )
+    } else {
+        format!(
+            "SELECT t.{id}::pg_catalog.int8, {row} {} ORDER BY t.{id} LIMIT $5",
+            rows_in_range(table, name)
+        )
+    }
+    .into();
+    ROW_STATEMENTS.with(|r| {
+        let mut statements = r.borrow_mut();
+        if statements.len() >= MAX_KEPT {
+            statements.clear();
+        }
+        statements.insert(
+            key,
+            RowStatement {
+                generation,
+                name: name.into(),
+                id_column: table.id_column.clone(),
+                instance_column: table.instance_column.clone(),
+                columns: table.columns.clone(),
+                types: table.types.clone(),
+                query: query.clone(),
+            },
+        );
+    });
+    query
 }
 
 /// Lock `streampos.instances` for reading (what `update_rows`' statements
