@@ -60,13 +60,22 @@ fn with_safe_path<T>(f: impl FnOnce() -> T) -> T {
 
 /// `search_path = pg_catalog, pg_temp` in the current GUC nest level, as
 /// PostgreSQL 17's `RestrictSearchPath()` sets it for maintenance commands
-/// (the same value and source, on every supported version).
+/// (the same value and source, on every supported version); nothing when
+/// it is that already.
 ///
 /// # Safety
 /// The caller opened a GUC nest level that it closes.
 unsafe fn restrict_search_path() {
-    set_in_nest_level(c"search_path", c"pg_catalog, pg_temp");
+    // Already so (a statement inside `as_role`, which set it): setting it
+    // again would only make PostgreSQL recompute the path, twice.
+    let current = pg_sys::namespace_search_path;
+    if !current.is_null() && CStr::from_ptr(current) == RESTRICTED_SEARCH_PATH {
+        return;
+    }
+    set_in_nest_level(c"search_path", RESTRICTED_SEARCH_PATH);
 }
+
+const RESTRICTED_SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
 
 /// Set `name` to `value` in the current GUC nest level (a session-level
 /// SET, saved: undone when the level closes).
@@ -1462,7 +1471,7 @@ impl RowRange<'_> {
 // as a relation renamed, altered or given to another owner changes the
 // text or the role it is run as.
 thread_local! {
-    static KEPT: std::cell::RefCell<crate::fast_hash::FastMap<(pg_sys::Oid, String), std::rc::Rc<pgrx::spi::OwnedPreparedStatement>>> =
+    static KEPT: std::cell::RefCell<crate::fast_hash::FastMap<(pg_sys::Oid, String), std::rc::Rc<KeptPlan>>> =
         std::cell::RefCell::new(crate::fast_hash::FastMap::default());
     /// Set by the relcache callback, which must not free anything itself.
     static KEPT_STALE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -1509,14 +1518,8 @@ fn relations_generation() -> u64 {
 }
 
 /// The statement kept for (`rel`, `query`) (see `KEPT`), prepared in this
-/// SPI connection the first time (`mutating`: an INSERT, UPDATE or DELETE).
-fn kept_plan(
-    client: &pgrx::spi::SpiClient,
-    rel: pg_sys::Oid,
-    query: &str,
-    types: &[PgOid],
-    mutating: bool,
-) -> SpiResult<std::rc::Rc<pgrx::spi::OwnedPreparedStatement>> {
+/// SPI connection the first time.
+fn kept_plan(rel: pg_sys::Oid, query: &str, types: &[PgOid]) -> std::rc::Rc<KeptPlan> {
     if KEPT_STALE.with(|s| s.replace(false)) {
         KEPT.with(|k| {
             k.borrow_mut()
@@ -1525,14 +1528,9 @@ fn kept_plan(
     }
     let key = (rel, query.to_string());
     if let Some(plan) = KEPT.with(|k| k.borrow().get(&key).cloned()) {
-        return Ok(plan);
+        return plan;
     }
-    let prepared = if mutating {
-        client.prepare_mut(query, types)?
-    } else {
-        client.prepare(query, types)?
-    };
-    let plan = std::rc::Rc::new(prepared.keep());
+    let plan = std::rc::Rc::new(KeptPlan::prepare(query, types));
     KEPT.with(|k| {
         let mut kept = k.borrow_mut();
         // Bounded: a session following many tables (or tables renamed
@@ -1542,20 +1540,90 @@ fn kept_plan(
         }
         kept.insert(key, plan.clone())
     });
-    Ok(plan)
+    plan
 }
 
-/// `plan_cache_mode = force_generic_plan` in the current GUC nest level,
-/// for a kept statement: PostgreSQL's plan cache otherwise keeps choosing a
-/// custom plan for a follower's parameters, planning the statement again on
-/// almost every call (51 plans in 50 calls of `updates()`), which was most
-/// of a call's cost. The statements are range and key lookups whose plan
-/// does not depend on the values.
-///
-/// # Safety
-/// The caller opened a GUC nest level that it closes (`with_safe_path`).
-unsafe fn force_generic_plan() {
-    set_in_nest_level(c"plan_cache_mode", c"force_generic_plan");
+/// A statement prepared with a generic plan (CURSOR_OPT_GENERIC_PLAN):
+/// PostgreSQL's plan cache otherwise keeps choosing a custom plan for a
+/// follower's parameters, planning the statement again on almost every call
+/// (51 plans in 50 calls of `updates()`), which was most of a call's cost;
+/// the option, unlike `plan_cache_mode`, costs nothing per call. The
+/// statements are range and key lookups whose plan does not depend on the
+/// values. Kept (SPI_keepplan) until dropped.
+struct KeptPlan(std::ptr::NonNull<pg_sys::_SPI_plan>);
+
+impl KeptPlan {
+    /// Prepare in the current SPI connection; a statement PostgreSQL
+    /// refuses is its ERROR.
+    fn prepare(query: &str, types: &[PgOid]) -> KeptPlan {
+        let Ok(text) = CString::new(query) else {
+            Error::Internal("a statement with a NUL byte".into()).report()
+        };
+        let mut oids: Vec<pg_sys::Oid> = types.iter().map(|t| t.value()).collect();
+        // SAFETY: inside an SPI connection; the text and the types outlive
+        // the call; a parse or analysis error is raised as an ERROR, and a
+        // NULL plan (an SPI misuse) is reported below.
+        let plan = unsafe {
+            let plan = pg_sys::SPI_prepare_cursor(
+                text.as_ptr(),
+                oids.len() as i32,
+                oids.as_mut_ptr(),
+                pg_sys::CURSOR_OPT_GENERIC_PLAN as i32,
+            );
+            if !plan.is_null() {
+                pg_sys::SPI_keepplan(plan);
+            }
+            plan
+        };
+        match std::ptr::NonNull::new(plan) {
+            Some(plan) => KeptPlan(plan),
+            // SAFETY: reads SPI's result code of the failed call.
+            None => Error::Internal(format!("SPI_prepare_cursor failed: {}", unsafe {
+                pg_sys::SPI_result
+            }))
+            .report(),
+        }
+    }
+
+    /// Run in the current SPI connection; the number of rows it returned
+    /// (in SPI_tuptable). Read-only as pgrx runs a prepared statement: a
+    /// statement that writes, or one in a transaction that has written,
+    /// takes a new snapshot.
+    fn run(&self, args: &[DatumWithOid], mutating: bool) -> usize {
+        let (mut values, nulls): (Vec<pg_sys::Datum>, Vec<std::ffi::c_char>) = args
+            .iter()
+            .map(|a| match a.datum() {
+                Some(d) => (d.sans_lifetime(), b' ' as std::ffi::c_char),
+                None => (pg_sys::Datum::from(0usize), b'n' as std::ffi::c_char),
+            })
+            .unzip();
+        // SAFETY: the plan is kept (valid until dropped) and takes exactly
+        // these arguments (its callers pass the types it was prepared
+        // with); errors are raised as ERRORs.
+        unsafe {
+            let read_only =
+                !mutating && pg_sys::GetCurrentTransactionIdIfAny() == pg_sys::InvalidTransactionId;
+            pg_sys::SPI_tuptable = std::ptr::null_mut();
+            let status = pg_sys::SPI_execute_plan(
+                self.0.as_ptr(),
+                values.as_mut_ptr(),
+                nulls.as_ptr(),
+                read_only,
+                0,
+            );
+            if status < 0 {
+                Error::Internal(format!("SPI_execute_plan failed: {status}")).report()
+            }
+            pg_sys::SPI_processed as usize
+        }
+    }
+}
+
+impl Drop for KeptPlan {
+    fn drop(&mut self) {
+        // SAFETY: a plan SPI_keepplan kept, freed once.
+        unsafe { pg_sys::SPI_freeplan(self.0.as_ptr()) };
+    }
 }
 
 /// The rows the statement just run in this SPI connection returned, each
@@ -1593,11 +1661,8 @@ fn kept_select<T>(
     // Run with the pinned search path too: a kept statement is analysed
     // again with the path current when it runs.
     with_safe_path(|| {
-        // SAFETY: inside the nest level `with_safe_path` opened.
-        unsafe { force_generic_plan() };
-        spi(Spi::connect(|client| {
-            let plan = kept_plan(client, rel, query, types, false)?;
-            let count = client.select(&*plan, None, args)?.len();
+        spi(Spi::connect(|_client| {
+            let count = kept_plan(rel, query, types).run(args, false);
             Ok(collect_rows(count, row))
         }))
     })
@@ -1611,11 +1676,8 @@ fn kept_update<T>(
     row: impl FnMut(pg_sys::HeapTuple, pg_sys::TupleDesc) -> Option<T>,
 ) -> Vec<T> {
     with_safe_path(|| {
-        // SAFETY: inside the nest level `with_safe_path` opened.
-        unsafe { force_generic_plan() };
-        spi(Spi::connect_mut(|client| {
-            let plan = kept_plan(client, pg_sys::InvalidOid, query, types, true)?;
-            let count = client.update(&*plan, None, args)?.len();
+        spi(Spi::connect_mut(|_client| {
+            let count = kept_plan(pg_sys::InvalidOid, query, types).run(args, true);
             Ok(collect_rows(count, row))
         }))
     })
