@@ -121,6 +121,10 @@ fn wait_until<T>(
     let mut following = None;
     loop {
         let generation = registry::generation(index).or_raise();
+        // Read before the answer: if every WAL record inserted by then was
+        // durable, every allocation that ended by then counts in it as
+        // durable, and any later one broadcasts.
+        let settled = registry::wal_settled();
         let (done, value) = ready();
         let now = Instant::now();
         if now >= deadline {
@@ -145,10 +149,13 @@ fn wait_until<T>(
         if following.is_none() {
             following = registry::stats::Following::enter(index);
         }
-        // Re-check at least every 100 ms: positions also move when the WAL
-        // is flushed (IDs become durable), which broadcasts nothing.
+        // Positions also move when the WAL is flushed (IDs become
+        // durable), which broadcasts nothing: re-check every 100 ms while
+        // some WAL is not durable yet. Otherwise only a broadcast moves
+        // them, and the wake-up every 500 ms is for the client's check.
         // Rounded up: a wait of 0 ms would return at once (a spin).
-        let left = (deadline - now).as_micros().div_ceil(1000).clamp(1, 100) as i64;
+        let bound = if settled { 500 } else { 100 };
+        let left = (deadline - now).as_micros().div_ceil(1000).clamp(1, bound) as i64;
         registry::wait_for_change(index, generation, left).or_raise();
         end_if_client_gone();
     }
@@ -158,7 +165,7 @@ fn wait_until<T>(
 /// wait at once as PostgreSQL ends any command whose client it finds gone
 /// (FATAL "connection to client lost"), rather than waiting out its
 /// timeout while holding its transaction (a consumer's lock among what it
-/// holds). Asked between sleeps, at least every 100 ms.
+/// holds). Asked between sleeps, at least every 500 ms.
 fn end_if_client_gone() {
     // SAFETY: MyProcPort is set for a backend with a client (never for a
     // background worker, which has no connection to check); the check is

@@ -44,7 +44,8 @@ pub use streams::{
     raise_max_allocated, set_loaded, stream_index, streams_of, Stale,
 };
 pub use visibility::{
-    caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, StreamView,
+    caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, wal_settled,
+    StreamView,
 };
 pub use wait::wait_for_change;
 pub use workers::{

@@ -199,6 +199,17 @@ pub fn wait_until_durable(lsn: u64) {
     }
 }
 
+/// Is every WAL record inserted so far durable? Then no position can move
+/// by the WAL's flush alone, only by an allocation's end, which broadcasts:
+/// a follower waiting for the stream need not look again before it is
+/// woken. (At a page boundary the insert position is past the page's
+/// header: "no" then, which only makes the follower look sooner.)
+pub fn wal_settled() -> bool {
+    // SAFETY: reads the WAL insert position under PostgreSQL's own lock.
+    let inserted = unsafe { pg_sys::GetXLogInsertRecPtr() };
+    durable_lsn() >= inserted
+}
+
 /// The durable point as last seen by anyone (a lower bound of
 /// `durable_lsn()`), without reading the WAL position.
 fn durable_lsn_seen() -> u64 {
