@@ -34,6 +34,20 @@ extern "C-unwind" {
     pub fn pq_check_connection() -> bool;
 }
 
+#[cfg(not(feature = "pg14"))]
+extern "C" {
+    /// The backend's wait set on its client's socket, its latch and the
+    /// postmaster (src/include/libpq/libpq.h; the socket at position 0).
+    /// A follower sleeps on it with `WL_SOCKET_CLOSED` (PostgreSQL 15 and
+    /// later), as `pq_check_connection` polls it: woken by a broadcast
+    /// (its latch), its timeout, or its client going away.
+    pub static mut FeBeWaitSet: *mut pgrx::pg_sys::WaitEventSet;
+}
+
+/// `FeBeWaitSetSocketPos` (a macro in libpq.h).
+#[cfg(not(feature = "pg14"))]
+pub const FE_BE_WAIT_SET_SOCKET_POS: i32 = 0;
+
 extern "C" {
     /// libc `kill`: with signal 0 it only asks whether a process exists
     /// (a position worker's slot whose process died must be taken over).

@@ -119,6 +119,8 @@ fn wait_until<T>(
     // Counted among the stream's waiting followers (stat_streams) from the
     // first sleep to the return (or an error, or the backend's exit).
     let mut following = None;
+    let watch_client = has_client();
+    let sleep_watches_client = watch_client && registry::watches_client();
     loop {
         let generation = registry::generation(index).or_raise();
         // Read before the answer: if every WAL record inserted by then was
@@ -152,37 +154,54 @@ fn wait_until<T>(
         // Positions also move when the WAL is flushed (IDs become
         // durable), which broadcasts nothing: re-check every 100 ms while
         // some WAL is not durable yet. Otherwise only a broadcast moves
-        // them, and the wake-up every 500 ms is for the client's check.
+        // them: sleep until one, the deadline, or the client going away
+        // (PostgreSQL 14 cannot watch the socket while it sleeps: it wakes
+        // every 500 ms to ask).
         // Rounded up: a wait of 0 ms would return at once (a spin).
-        let bound = if settled { 500 } else { 100 };
+        let bound = match (settled, sleep_watches_client) {
+            (false, _) => 100,
+            (true, true) => u128::from(u32::MAX),
+            (true, false) => 500,
+        };
         let left = (deadline - now).as_micros().div_ceil(1000).clamp(1, bound) as i64;
-        registry::wait_for_change(index, generation, left).or_raise();
-        end_if_client_gone();
+        let woken = registry::wait_for_change(index, generation, left, watch_client).or_raise();
+        if watch_client
+            && (woken == registry::Woken::ClientGone || !sleep_watches_client)
+            && !client_connected()
+        {
+            end_for_lost_client();
+        }
     }
+}
+
+/// Does this backend have a client whose connection can be watched
+/// (never a background worker's)?
+fn has_client() -> bool {
+    // SAFETY: reads the backend's own globals.
+    unsafe {
+        !pg_sys::MyProcPort.is_null()
+            && pg_sys::whereToSendOutput == pg_sys::CommandDest::DestRemote
+    }
+}
+
+/// Is the client still connected? A poll of its socket (guarded: it may
+/// raise an ERROR on a failed wait).
+fn client_connected() -> bool {
+    // SAFETY: only for a backend with a client (`has_client`).
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| crate::ffi::pq_check_connection()) }
 }
 
 /// A follower whose client is gone (killed, its connection cut) ends its
 /// wait at once as PostgreSQL ends any command whose client it finds gone
 /// (FATAL "connection to client lost"), rather than waiting out its
 /// timeout while holding its transaction (a consumer's lock among what it
-/// holds). Asked between sleeps, at least every 500 ms.
-fn end_if_client_gone() {
-    // SAFETY: MyProcPort is set for a backend with a client (never for a
-    // background worker, which has no connection to check); the check is
-    // a poll of the socket, guarded (it may raise an ERROR on a failed
-    // wait); the interrupt flags are PostgreSQL's own, processed by the
-    // interrupt check that follows.
+/// holds).
+fn end_for_lost_client() {
+    // SAFETY: PostgreSQL's own interrupt flags, processed by the interrupt
+    // check that follows.
     unsafe {
-        if pg_sys::MyProcPort.is_null()
-            || pg_sys::whereToSendOutput != pg_sys::CommandDest::DestRemote
-        {
-            return;
-        }
-        let connected = pg_sys::ffi::pg_guard_ffi_boundary(|| crate::ffi::pq_check_connection());
-        if !connected {
-            pg_sys::ClientConnectionLost = 1;
-            pg_sys::InterruptPending = 1;
-        }
+        pg_sys::ClientConnectionLost = 1;
+        pg_sys::InterruptPending = 1;
     }
     pgrx::check_for_interrupts!();
 }

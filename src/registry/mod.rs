@@ -47,7 +47,7 @@ pub use visibility::{
     caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, wal_settled,
     StreamView,
 };
-pub use wait::wait_for_change;
+pub use wait::{wait_for_change, watches_client, Woken};
 pub use workers::{
     claim_worker_slot, generations_of, leave_if_idle, release_worker_slot, worker_needed,
     worker_start_failed,

@@ -1,4 +1,4 @@
-//! Followers sleep on their stream's condition variable, which every
+//! Sleeping on a stream's condition variable, which every
 //! transaction that held IDs of the stream broadcasts when it ends.
 
 use pgrx::pg_sys;
@@ -7,25 +7,55 @@ use super::shmem::{Locked, Section};
 use super::streams::generation;
 use crate::error::Error;
 
-/// Sleep until the stream's generation moves past `seen`, or `timeout_ms`
-/// passes. Returns false on timeout.
-pub fn wait_for_change(stream: usize, seen: u64, timeout_ms: i64) -> Result<bool, Error> {
+/// Why `wait_for_change` returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Woken {
+    /// The stream's generation moved.
+    Changed,
+    TimedOut,
+    /// The client's connection closed (only with `watch_client`).
+    ClientGone,
+}
+
+/// Can a sleep also watch the client's socket (`WL_SOCKET_CLOSED`,
+/// PostgreSQL 15 and later, where the platform reports it)? Otherwise a
+/// waiter must wake to ask.
+pub fn watches_client() -> bool {
+    #[cfg(not(feature = "pg14"))]
+    // SAFETY: a constant of the build's wait-event implementation.
+    return unsafe { pg_sys::WaitEventSetCanReportClosed() };
+    #[cfg(feature = "pg14")]
+    false
+}
+
+/// Sleep until the stream's generation moves past `seen`, `timeout_ms`
+/// passes, or (with `watch_client`, where `watches_client()`) the client's
+/// connection closes. Query cancel and termination are raised as usual.
+pub fn wait_for_change(
+    stream: usize,
+    seen: u64,
+    timeout_ms: i64,
+    watch_client: bool,
+) -> Result<Woken, Error> {
     let cv = {
         let locked = Locked::acquire(Section::OtherShared)?;
         &mut locked.streams()[stream].cv as *mut pg_sys::ConditionVariable
     };
     let deadline =
         std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
-    // SAFETY: the condition variable lives in shared memory for the life of
-    // the server.
-    unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
-    let changed = loop {
+    let watch_client = watch_client && watches_client();
+    let woken = loop {
+        // On the list before the generation is read: a broadcast after
+        // the read sets our latch.
+        // SAFETY: the condition variable lives in shared memory for the
+        // life of the server; preparing again replaces the earlier one.
+        unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
         if generation(stream)? != seen {
-            break true;
+            break Woken::Changed;
         }
         let now = std::time::Instant::now();
         if now >= deadline {
-            break false;
+            break Woken::TimedOut;
         }
         // Rounded up: a sleep of 0 ms returns at once, and a loop on the
         // last fraction of a millisecond would spin until the deadline.
@@ -33,11 +63,66 @@ pub fn wait_for_change(stream: usize, seen: u64, timeout_ms: i64) -> Result<bool
             .as_micros()
             .div_ceil(1000)
             .clamp(1, i32::MAX as u128) as i64;
-        // Wakes on broadcast, timeout, or an interrupt (which is then raised).
-        // SAFETY: prepared above on the same condition variable.
-        unsafe { pg_sys::ConditionVariableTimedSleep(cv, left, pg_sys::PG_WAIT_EXTENSION) };
+        if watch_client {
+            if sleep_watching_client(left) {
+                break Woken::ClientGone;
+            }
+            pgrx::check_for_interrupts!();
+        } else {
+            // Wakes on broadcast, timeout, or an interrupt (then raised).
+            // SAFETY: prepared above on the same condition variable.
+            unsafe { pg_sys::ConditionVariableTimedSleep(cv, left, pg_sys::PG_WAIT_EXTENSION) };
+        }
     };
     // SAFETY: ends the sleep prepared above (also done by abort cleanup).
     unsafe { pg_sys::ConditionVariableCancelSleep() };
-    Ok(changed)
+    Ok(woken)
+}
+
+/// Sleep on the backend's client wait set (its latch, which a broadcast
+/// sets, and its socket, for closing) for at most `timeout_ms`; whether
+/// the client's connection closed. The latch is reset: the caller looks
+/// at what it was set for.
+#[cfg(not(feature = "pg14"))]
+fn sleep_watching_client(timeout_ms: i64) -> bool {
+    use crate::ffi::{FeBeWaitSet, FE_BE_WAIT_SET_SOCKET_POS};
+    // SAFETY: FeBeWaitSet is the backend's own (set up at connection, for a
+    // backend with a client: the caller checked); every user of its socket
+    // position sets the events it waits for first, as pq_check_connection
+    // does. The events array outlives the call.
+    unsafe {
+        pg_sys::ModifyWaitEvent(
+            FeBeWaitSet,
+            FE_BE_WAIT_SET_SOCKET_POS,
+            pg_sys::WL_SOCKET_CLOSED,
+            std::ptr::null_mut(),
+        );
+        let mut events: [pg_sys::WaitEvent; 3] = std::mem::zeroed();
+        let n = pg_sys::WaitEventSetWait(
+            FeBeWaitSet,
+            timeout_ms as std::ffi::c_long,
+            events.as_mut_ptr(),
+            events.len() as i32,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        let mut closed = false;
+        for event in &events[..n.max(0) as usize] {
+            if event.events & pg_sys::WL_SOCKET_CLOSED != 0 {
+                closed = true;
+            }
+            if event.events & pg_sys::WL_LATCH_SET != 0 {
+                pg_sys::ResetLatch(pg_sys::MyLatch);
+            }
+            if event.events & pg_sys::WL_POSTMASTER_DEATH != 0 {
+                // As every wait of a backend with WL_EXIT_ON_PM_DEATH.
+                pg_sys::proc_exit(1);
+            }
+        }
+        closed
+    }
+}
+
+#[cfg(feature = "pg14")]
+fn sleep_watching_client(_timeout_ms: i64) -> bool {
+    false
 }
