@@ -269,6 +269,61 @@ fn as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// A read of another role's relation as that role (`as_role`), with two
+/// more walls, since it runs inside the caller's transaction where VACUUM
+/// would run in its own:
+///
+/// - in a subtransaction that is rolled back afterwards (what `f` returns
+///   is copied out first: it lives in the caller's memory context or is
+///   Rust's): whatever the role's code did to the caller's transaction —
+///   `SET CONSTRAINTS`, a cursor declared or opened, a notification, a
+///   lock — goes with it (not in parallel mode, where PostgreSQL refuses
+///   those anyway and allows no subtransaction);
+/// - with `row_security = off`, as pg_dump reads: a read that a policy
+///   would filter (a table with FORCE ROW LEVEL SECURITY, whose owner is
+///   subject to its own policies) is an ERROR (42501), never a read that
+///   silently lacks rows.
+fn read_as_role<T>(role: pg_sys::Oid, f: impl FnOnce() -> T) -> T {
+    as_role(role, || {
+        // SAFETY: inside the GUC nest level `as_role` opened.
+        unsafe { set_in_nest_level(c"row_security", c"off") };
+        in_discarded_subtransaction(f)
+    })
+}
+
+/// Run `f` in a subtransaction that is rolled back afterwards, also when
+/// `f` raises an ERROR (which is then raised again): the rollback of the
+/// caller's own subtransaction finds no level of ours left open.
+fn in_discarded_subtransaction<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: reads the backend's parallel-mode flag.
+    if unsafe { pg_sys::IsInParallelMode() } {
+        return f();
+    }
+    // SAFETY: the subtransaction is begun and rolled back here on every
+    // path, and the memory context and resource owner are restored after
+    // it, as PL/pgSQL's exception blocks do.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        let f = std::panic::AssertUnwindSafe(f);
+        let outcome = pgrx::PgTryBuilder::new(move || {
+            let f = f;
+            Ok((f.0)())
+        })
+        .catch_others(|error| Err(Box::new(error)))
+        .execute();
+        pg_sys::RollbackAndReleaseCurrentSubTransaction();
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+        match outcome {
+            Ok(value) => value,
+            Err(error) => (*error).rethrow(),
+        }
+    }
+}
+
 /// Run `f` as the extension's owner, in a security-restricted operation,
 /// for writes to the catalog tables.
 fn as_owner<T>(f: impl FnOnce() -> T) -> T {
@@ -571,7 +626,7 @@ pub fn read_as_owner<T>(
     };
     let name = relation_name(rel);
     check_may_read(rel, &name, &facts, columns);
-    Some(as_role(facts.owner, || f(&name)))
+    Some(read_as_role(facts.owner, || f(&name)))
 }
 
 /// Refuse a read of `rel` by the caller, as `read_as_owner` would, without
@@ -1395,7 +1450,7 @@ fn read_as_owner_for_extension<T>(rel: pg_sys::Oid, f: impl FnOnce(&str) -> T) -
         return None;
     }
     let name = relation_name(rel);
-    Some(as_role(owner, || f(&name)))
+    Some(read_as_role(owner, || f(&name)))
 }
 
 /// Refuse (before a follower waits) a caller that `updates` would refuse
@@ -1860,6 +1915,21 @@ fn row_json(table: &StreamTable) -> String {
         .join(" OPERATOR(pg_catalog.||) ")
 }
 
+/// Is `type_oid` bigint (Some(false)) or an array of bigint (Some(true)),
+/// looking through domains?
+fn bigint_kind(type_oid: pg_sys::Oid) -> Option<bool> {
+    // SAFETY: syscache lookups; a missing type is InvalidOid, no error.
+    unsafe {
+        let base = pg_sys::getBaseType(type_oid);
+        if base == pg_sys::INT8OID {
+            return Some(false);
+        }
+        let element = pg_sys::get_element_type(base);
+        (element != pg_sys::InvalidOid && pg_sys::getBaseType(element) == pg_sys::INT8OID)
+            .then_some(true)
+    }
+}
+
 /// One column of a row of `updates`' answer as a JSON value. A column of a
 /// built-in type (`built_in_type`) is what `jsonb_build_array` makes of it;
 /// any other is the text of the type's output function (through `format`,
@@ -1868,10 +1938,15 @@ fn row_json(table: &StreamTable) -> String {
 /// null. A bigint is a JSON string with `streampos.json_bigint_as_string`.
 fn json_column(column: &str, type_oid: pg_sys::Oid) -> String {
     let c = quote_ident(column);
-    if type_oid == pg_sys::INT8OID && crate::guc::JSON_BIGINT_AS_STRING.get() {
+    let as_string = crate::guc::JSON_BIGINT_AS_STRING.get();
+    if as_string && bigint_kind(type_oid) == Some(false) {
         // Exact for clients whose numbers are doubles (the statement's text
-        // differs: a statement kept of its own).
+        // differs: a statement kept of its own). A domain's cast is its base
+        // type's: PostgreSQL looks up no cast of a domain.
         format!("t.{c}::pg_catalog.text")
+    } else if as_string && bigint_kind(type_oid) == Some(true) {
+        // An array of them: an array of strings, dimensions kept.
+        format!("t.{c}::pg_catalog.text[]")
     } else if built_in_type(type_oid) {
         format!("t.{c}")
     } else {
@@ -2562,6 +2637,34 @@ pub fn advance_consumer(
          RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
         &[TEXT, TEXT, TEXT],
         &[stream.into(), consumer.into(), token.into()],
+    )
+}
+
+/// As `advance_consumer`, only if `owner` owns the consumer: None
+/// otherwise, without writing or waiting for its row (a row another role
+/// owns does not match, so its lock is never waited for).
+pub fn advance_own_consumer(
+    stream: &str,
+    consumer: &str,
+    token: &str,
+    owner: pg_sys::Oid,
+) -> Option<(pg_sys::Oid, String)> {
+    consumer_write(
+        "UPDATE streampos.consumer_positions c \
+         SET position = streampos.advance(c.position, \
+               $3::pg_catalog.text::streampos.multi_writer_token), \
+             acked_at = pg_catalog.now() \
+         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
+           AND c.owner::pg_catalog.oid OPERATOR(pg_catalog.=) $4 \
+         RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
+        &[TEXT, TEXT, TEXT, PgOid::BuiltIn(PgBuiltInOids::OIDOID)],
+        &[
+            stream.into(),
+            consumer.into(),
+            token.into(),
+            DatumWithOid::from(owner),
+        ],
     )
 }
 

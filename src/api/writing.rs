@@ -32,11 +32,20 @@ fn next_ids(stream: &str, writer: &str, n: i32) -> Vec<i64> {
 /// transaction and is not warned about; neither is a `CALL`.
 fn warn_if_finished_at_once(function: &'static str, stream: &str) {
     // SAFETY: reads the transaction state and the running portal (NULL
-    // outside one), both the backend's own.
+    // outside one) and its statement, all the backend's own.
     let bare_select = unsafe {
         !pg_sys::IsTransactionBlock()
             && !pg_sys::ActivePortal.is_null()
             && (*pg_sys::ActivePortal).commandTag == pg_sys::CommandTag::CMDTAG_SELECT
+            && {
+                // A SELECT that writes (SELECT … INTO, a data-modifying
+                // WITH) may write the row itself.
+                let statement = pg_sys::PortalGetPrimaryStmt(pg_sys::ActivePortal);
+                !statement.is_null()
+                    && (*statement).commandType == pg_sys::CmdType::CMD_SELECT
+                    && (*statement).utilityStmt.is_null()
+                    && !(*statement).hasModifyingCTE
+            }
     };
     if !bare_select || !crate::guc::WARN_FINISHED_AT_ONCE.get() {
         return;

@@ -246,14 +246,14 @@ def test_only_the_owner_moves_or_forgets_a_consumer(connect, stream, roles):
     assert one(db, "SELECT owner::text FROM streampos.consumers WHERE stream_name = %s", (stream,)) == role_a
     err = expect_error(b, "SELECT streampos.ack(%s, 'mine', '2')", (stream,), sqlstate="42501")
     assert err.diag.message_primary == f'must be owner of consumer "mine" of stream "{stream}"'
-    # ack writes first and checks the owner of what it wrote: the refusal's
-    # abort undoes the write, also when the caller goes on after a savepoint.
-    acked_at = one(db, "SELECT acked_at FROM streampos.consumer_positions WHERE stream_name = %s", (stream,))
+    # Another role's ack writes nothing, not even a version rolled back
+    # (the row's xmin stays).
+    version = one(db, "SELECT xmin::text FROM streampos.consumer_positions WHERE stream_name = %s", (stream,))
     with b.transaction():
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             with b.transaction():
                 b.execute("SELECT streampos.ack(%s, 'mine', '2')", (stream,))
-    assert one(db, "SELECT acked_at FROM streampos.consumer_positions WHERE stream_name = %s", (stream,)) == acked_at
+    assert one(db, "SELECT xmin::text FROM streampos.consumer_positions WHERE stream_name = %s", (stream,)) == version
     err = expect_error(b, "SELECT streampos.ack(%s, 'nobody', '2')", (stream,), sqlstate="42704")
     expect_error(b, "SELECT streampos.unregister_consumer(%s, 'mine')", (stream,), sqlstate="42501")
     err = expect_error(b, "SELECT streampos.register_consumer(%s, 'mine')", (stream,), sqlstate="42710")
@@ -888,3 +888,26 @@ def test_every_row_processed_exactly_once_by_every_consumer_under_kills(connect,
         "SELECT streampos.is_before_or_eq(%s::streampos.multi_writer_token, %s::streampos.multi_writer_token)",
         (final, safe),
     ), (final, safe)
+
+
+def test_another_roles_ack_never_waits_for_the_owners_transaction(connect, pool, stream, roles):
+    """The adversary of 0.4.0: an ack that wrote first and checked the
+    owner afterwards held the stream's consumers lock while it waited for
+    the owner's row lock; the owner's register_consumer in the same
+    transaction then waited for it: 40P01. Another role's ack now matches
+    no row (nor waits for one) and is refused at once."""
+    role_a, role_b, _ = roles
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 2)
+    db.execute(f"GRANT SELECT ON {stream}_ev TO PUBLIC")
+    a, b = connect(user=role_a), connect(user=role_b)
+    register(a, stream, "mine", "0")
+    with a.transaction():
+        assert ack(a, stream, "mine", "1") == "1"
+        started = time.monotonic()
+        refused = pool.submit(expect_error, b, "SELECT streampos.ack(%s, 'mine', '2')", (stream,), sqlstate="42501")
+        refused.result(timeout=20)
+        assert time.monotonic() - started < 4, "another role's ack waited for the owner's transaction"
+        assert register(a, stream, "another", "1") == "1"
+    assert position(db, stream, "mine") == "1"

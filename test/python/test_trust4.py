@@ -246,3 +246,115 @@ def test_a_full_registry_of_a_dropped_databases_streams_empties_once_the_horizon
     create_stream(db, stream)
     assert one(db, "SELECT streampos.next_id(%s, 'w')", (stream,)) == 1
     assert frontier(db, stream) == 1
+
+
+# ------------------------------ the adversary of 0.4.0: the caller's transaction
+
+
+OWNER = "streampos_trust4_owner"
+
+TRANSACTION_TRAP = """
+CREATE FUNCTION public.t4_trapv() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+  EXECUTE 'SET CONSTRAINTS ALL DEFERRED';
+  BEGIN EXECUTE 'DECLARE t4_cur CURSOR FOR SELECT 1'; EXCEPTION WHEN duplicate_cursor THEN NULL; END;
+  PERFORM pg_catalog.pg_notify('t4_channel', 'from the owner');
+  RETURN true;
+END $$;
+CREATE FUNCTION public.t4_trap() RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS
+  $$ BEGIN RETURN public.t4_trapv(); END $$;
+"""
+
+
+def owned_stream_table(db, stream, owner):
+    """A stream with one committed row in a table `owner` owns (SELECT for
+    PUBLIC); the table's name."""
+    support.ensure_login_role(owner)
+    create_stream(db, stream)
+    table = f"public.{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint, inst text)")
+    db.execute(f"ALTER TABLE {table} OWNER TO {owner}")
+    db.execute(f"GRANT SELECT ON {table} TO PUBLIC")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'inst')", (stream, table))
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w'", (stream,))
+    return table
+
+
+def test_the_owners_code_leaves_the_callers_transaction_as_it_was(connect, db, stream):
+    """An index predicate of the table's owner ran inside the caller's
+    transaction (VACUUM runs such code in a transaction of its own): SET
+    CONSTRAINTS ALL DEFERRED stayed in force (the caller's deferrable
+    constraint was no longer checked per statement), a cursor it declared
+    stayed open under its name, a notification went out at the caller's
+    commit. The read now runs in a subtransaction that is rolled back."""
+    table = owned_stream_table(db, stream, OWNER)
+    db.execute("CREATE TABLE IF NOT EXISTS public.t4_unique (x int UNIQUE DEFERRABLE INITIALLY IMMEDIATE)")
+    db.execute("TRUNCATE public.t4_unique")
+    db.execute("INSERT INTO public.t4_unique VALUES (1)")
+    db.execute(f"GRANT CREATE ON SCHEMA public TO {OWNER}")
+    owner = connect(user=OWNER)
+    owner.execute("DROP FUNCTION IF EXISTS public.t4_trap(), public.t4_trapv()")
+    owner.execute(TRANSACTION_TRAP)
+    owner.execute(f"CREATE INDEX ON {table} (id) WHERE public.t4_trap()")
+    listener = connect()
+    listener.execute("LISTEN t4_channel")
+    caller = connect()
+    with caller.transaction():
+        answer = one(caller, "SELECT streampos.updates(%s, '0')", (stream,))
+        assert [r[0] for r in answer["data"][1:]] == [1]
+        assert rows(caller, "SELECT name FROM pg_cursors") == []
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            with caller.transaction():
+                caller.execute("INSERT INTO public.t4_unique VALUES (1)")
+    time.sleep(0.2)
+    listener.execute("SELECT 1")
+    assert list(listener.notifies(timeout=0.5, stop_after=1)) == []
+
+
+def test_a_policy_forced_on_the_owner_refuses_the_read_rather_than_hide_rows(db, stream):
+    """With FORCE ROW LEVEL SECURITY the table's owner is subject to its own
+    policies: the read as the owner left out the rows a policy hid, and the
+    token passed them (a superuser follower never got row 2). The read now
+    runs with row_security = off, as pg_dump's: refused (42501)."""
+    table = owned_stream_table(db, stream, OWNER)
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w' FROM generate_series(1, 2)", (stream,))
+    db.execute(f"SET ROLE {OWNER}")
+    db.execute(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY")
+    db.execute(f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY")
+    db.execute(f"CREATE POLICY hide_two ON {table} USING (id <> 2)")
+    db.execute("RESET ROLE")
+    err = expect_error(db, "SELECT streampos.updates(%s, '0')", (stream,), sqlstate="42501")
+    assert err.diag.message_primary.startswith("query would be affected by row-level security policy")
+    db.execute(f"ALTER TABLE {table} NO FORCE ROW LEVEL SECURITY")
+    assert [r[0] for r in one(db, "SELECT streampos.updates(%s, '0')", (stream,))["data"][1:]] == [1, 2, 3]
+
+
+def test_bigint_domains_and_arrays_are_strings_too(db, stream):
+    """streampos.json_bigint_as_string missed a domain over bigint (an ID
+    column may be one) and bigint[]: JavaScript got them rounded."""
+    create_stream(db, stream)
+    db.execute("DO $$ BEGIN CREATE DOMAIN public.t4_bigd AS bigint; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id public.t4_bigd, inst text, many bigint[], big public.t4_bigd)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'inst')", (stream, table))
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', "
+               "ARRAY[[9007199254740993, 1], [2, 3]], 9007199254740995", (stream,))
+    db.execute("SET streampos.json_bigint_as_string = on")
+    row = one(db, "SELECT streampos.updates(%s, '0')", (stream,))["data"][1]
+    assert row == ["1", "w", [["9007199254740993", "1"], ["2", "3"]], "9007199254740995"]
+
+
+def test_a_select_that_writes_its_row_is_not_warned_about(db, stream):
+    """The WARNING for IDs finished at once is for a bare SELECT: a SELECT
+    … INTO and a SELECT with a data-modifying WITH write their row in the
+    same statement."""
+    create_stream(db, stream)
+    db.execute(f"CREATE TABLE {stream}_t (id bigint)")
+    seen = []
+    db.add_notice_handler(lambda d: seen.append(d.sqlstate))
+    db.execute(f"SELECT streampos.next_id(%s, 'w') AS id INTO TEMP {stream}_into", (stream,))
+    db.execute(f"WITH w AS (INSERT INTO {stream}_t SELECT streampos.next_id(%s, 'w') RETURNING id) "
+               "SELECT id FROM w", (stream,))
+    assert seen == []
+    db.execute("SELECT streampos.next_id(%s, 'w')", (stream,))
+    assert seen == ["25P01"]
