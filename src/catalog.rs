@@ -334,7 +334,7 @@ pub fn end_subtransaction(
             created.retain(|e| e.1 < subxact);
         }
     });
-    if !committed {
+    if !committed && !crate::sql::quiet_rollback(subxact) {
         CLEAR_ON_NEXT_USE.set(true);
     }
 }

@@ -307,6 +307,8 @@ fn in_discarded_subtransaction<T>(f: impl FnOnce() -> T) -> T {
         let owner = pg_sys::CurrentResourceOwner;
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(context);
+        let subxact = pg_sys::GetCurrentSubTransactionId();
+        let writes_before = CATALOG_WRITES_BEGUN.with(|w| w.get());
         let f = std::panic::AssertUnwindSafe(f);
         let outcome = pgrx::PgTryBuilder::new(move || {
             let f = f;
@@ -314,7 +316,14 @@ fn in_discarded_subtransaction<T>(f: impl FnOnce() -> T) -> T {
         })
         .catch_others(|error| Err(Box::new(error)))
         .execute();
+        // The catalog's caches are dropped at a rollback (it may take back
+        // what they hold), which would make every read cost a catalog
+        // reload: not when nothing wrote the catalog in between.
+        if outcome.is_ok() && CATALOG_WRITES_BEGUN.with(|w| w.get()) == writes_before {
+            QUIET_ROLLBACK.with(|q| q.set(subxact));
+        }
         pg_sys::RollbackAndReleaseCurrentSubTransaction();
+        QUIET_ROLLBACK.with(|q| q.set(0));
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::CurrentResourceOwner = owner;
         match outcome {
@@ -333,6 +342,18 @@ fn as_owner<T>(f: impl FnOnce() -> T) -> T {
 
 thread_local! {
     static EXTENSION_WRITES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// Catalog writes begun in this backend, ever (`as_owner`).
+    static CATALOG_WRITES_BEGUN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The subtransaction `in_discarded_subtransaction` is rolling back
+    /// with no catalog write in it (0: none).
+    static QUIET_ROLLBACK: std::cell::Cell<pg_sys::SubTransactionId> = const { std::cell::Cell::new(0) };
+}
+
+/// Is the subtransaction being rolled back one of a read's, in which
+/// nothing wrote the extension's catalog? Then nothing the catalog caches
+/// hold was taken back with it.
+pub fn quiet_rollback(subxact: pg_sys::SubTransactionId) -> bool {
+    QUIET_ROLLBACK.with(|q| q.get()) == subxact
 }
 
 /// The extension itself is writing its catalog (as its owner), whatever
@@ -343,6 +364,7 @@ struct ExtensionWrite;
 impl ExtensionWrite {
     fn begin() -> ExtensionWrite {
         EXTENSION_WRITES.with(|w| w.set(w.get() + 1));
+        CATALOG_WRITES_BEGUN.with(|w| w.set(w.get().wrapping_add(1)));
         ExtensionWrite
     }
 }

@@ -62,7 +62,10 @@ unsafe extern "C-unwind" fn on_subxact_event(
         pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
             catalog::end_subtransaction(false, subxact, parent);
             registry::end_subtransaction(false, subxact, parent);
-            engine::forget_marks();
+            // A read's rollback stored no mark (marks are catalog writes).
+            if !crate::sql::quiet_rollback(subxact) {
+                engine::forget_marks();
+            }
         }
         pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
             catalog::end_subtransaction(true, subxact, parent);
