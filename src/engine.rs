@@ -99,6 +99,10 @@ fn prepared_floor(meta: &StreamMeta) -> Option<i64> {
     if start == 0 || next.saturating_sub(behind) >= start {
         return None;
     }
+    // The horizon also counts a standby's feedback and replication slots.
+    if !sql::older_than_start(start as u32) {
+        return None;
+    }
     let finished = sql::stored_frontier(&meta.name)
         .or_else(|| {
             sql::stored_positions(&meta.name)

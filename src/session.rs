@@ -1,5 +1,6 @@
 //! What another role's code must not do to the caller's session: take or
-//! release advisory locks (and reseed `random()`).
+//! release advisory locks, take or release streampos holds or IDs (and
+//! reseed `random()` by `setseed()`).
 //!
 //! `sql::as_role` runs a table owner's code the way PostgreSQL's
 //! maintenance commands do: a security-restricted operation (which already
@@ -8,8 +9,12 @@
 //! the functions that change session state directly: `pg_advisory_lock()`
 //! takes a lock that outlives the call (and its transaction, and an ERROR),
 //! `pg_advisory_unlock_all()` releases the caller's own, and `setseed()`
-//! makes the caller's `random()` predictable. PostgreSQL's VACUUM lets
-//! them through; streampos refuses them (42501) while another role's code
+//! makes the caller's `random()` predictable; streampos's own `hold_ids`
+//! and `release_ids` change the session's holds (a hold outlives the
+//! subtransaction that took it: a stream's frontier stuck behind the
+//! caller's session, its holds table full), `next_id` and `next_ids` put
+//! an ID in flight for the caller's transaction. PostgreSQL's VACUUM lets
+//! the first kind through; streampos refuses both (42501) while another role's code
 //! runs inside one of its functions: an object access hook, which the
 //! executor calls for every function it prepares to run (`ExecInitFunc`,
 //! aggregates' and window functions' too), the planner's constant folding
@@ -48,6 +53,10 @@ const SESSION_FUNCTIONS: &[&str] = &[
     "pg_try_advisory_xact_lock_shared",
     "setseed",
 ];
+
+/// Functions of the extension's schema that change the caller's session
+/// (holds) or its transaction (IDs in flight until it ends).
+const STREAM_FUNCTIONS: &[&str] = &["hold_ids", "release_ids", "next_id", "next_ids"];
 
 /// Install the hook. Called once per process from `_PG_init`.
 pub fn register() {
@@ -114,21 +123,30 @@ unsafe extern "C-unwind" fn on_object_access(
     }
 }
 
-/// Refuse (42501) a function of `SESSION_FUNCTIONS`.
+/// Refuse (42501) a function of `SESSION_FUNCTIONS` or `STREAM_FUNCTIONS`.
 fn refuse_session_function(function: pg_sys::Oid) {
-    // SAFETY: syscache lookups; a missing function gives NULL or
-    // InvalidOid, not an ERROR.
-    let name = unsafe {
-        if pg_sys::get_func_namespace(function) != pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE) {
-            return;
-        }
+    // SAFETY: syscache lookups; a missing function or schema gives NULL
+    // or InvalidOid, not an ERROR.
+    let (name, refused) = unsafe {
+        let namespace = pg_sys::get_func_namespace(function);
+        let list = if namespace == pg_sys::Oid::from(pg_sys::PG_CATALOG_NAMESPACE) {
+            SESSION_FUNCTIONS
+        } else {
+            let schema = pg_sys::get_namespace_name(namespace);
+            if schema.is_null() || CStr::from_ptr(schema).to_bytes() != b"streampos" {
+                return;
+            }
+            STREAM_FUNCTIONS
+        };
         let name = pg_sys::get_func_name(function);
         if name.is_null() {
             return;
         }
-        CStr::from_ptr(name).to_string_lossy().into_owned()
+        let name = CStr::from_ptr(name).to_string_lossy().into_owned();
+        let refused = list.contains(&name.as_str());
+        (name, refused)
     };
-    if SESSION_FUNCTIONS.contains(&name.as_str()) {
+    if refused {
         Error::SessionFunction {
             function: name,
             role: crate::sql::role_display_name(

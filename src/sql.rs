@@ -518,11 +518,13 @@ pub fn built_in_type(type_oid: pg_sys::Oid) -> bool {
     // that does not exist (a live column's type exists).
     unsafe {
         let base = pg_sys::getBaseType(type_oid);
-        if base.to_u32() >= pg_sys::FirstNormalObjectId {
-            return false;
-        }
+        // An array's element decides: the array type of a domain over a
+        // built-in type is created with the domain (an OID above 16384).
         let element = pg_sys::get_element_type(base);
-        element == pg_sys::InvalidOid || built_in_type(element)
+        if element != pg_sys::InvalidOid {
+            return built_in_type(element);
+        }
+        base.to_u32() < pg_sys::FirstNormalObjectId
     }
 }
 
@@ -934,6 +936,31 @@ pub fn stored_frontier(stream: &str) -> Option<i64> {
          WHERE f.stream_name OPERATOR(pg_catalog.=) $1",
         &[stream.into()],
     )
+}
+
+/// Whether a prepared transaction from before the start whose first xid
+/// is `start` (its low 32 bits) is still there, or a session's snapshot
+/// from before one's COMMIT PREPARED (docs/design.md, "What outlives a
+/// start"). The shared horizon says "maybe" for both, and also for what
+/// reads nothing of this server's registry: a standby's
+/// `hot_standby_feedback` (its walsender's xmin, sent again after a
+/// restart) and replication slots. Read as the extension's owner: another
+/// role's sessions show no backend type (counted, as a walsender of such a
+/// role would be).
+pub fn older_than_start(start: u32) -> bool {
+    as_role(extension_owner(), || {
+        select_one::<bool>(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts p \
+                 WHERE pg_catalog.age(p.transaction) OPERATOR(pg_catalog.>) \
+                       pg_catalog.age($1::pg_catalog.text::pg_catalog.xid)) \
+             OR EXISTS (SELECT FROM pg_catalog.pg_stat_activity a \
+                 WHERE a.backend_type IS DISTINCT FROM 'walsender' \
+                   AND pg_catalog.age(a.backend_xmin) OPERATOR(pg_catalog.>) \
+                       pg_catalog.age($1::pg_catalog.text::pg_catalog.xid))",
+            &[start.to_string().into()],
+        )
+    })
+    .unwrap_or(true)
 }
 
 /// The highest stored position or frontier at or below `at_most`

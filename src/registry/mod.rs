@@ -8,16 +8,19 @@
 //! | `streams.rs` | per-stream state: find, create, load, drop, reclaim |
 //! | `alloc.rs` | allocation (register before you allocate) and transaction end |
 //! | `visibility.rs` | what a snapshot must treat as in flight: slots, finished ring, summary, pruning |
-//! | `wait.rs` | followers' condition variables |
+//! | `wait.rs` | followers' condition variables and their sleep |
+//! | `history.rs` | which history this server's IDs belong to, and the lost ranges of other histories |
 //! | `workers.rs` | position-worker slots, and when a worker may leave |
 //! | `stats.rs` | statistics (`stat_streams`, `stat_registry`) |
 //! | `lock_stats.rs` | lock hold and wait times per section (feature `lock-stats`, bench builds only) |
 //!
-//! One LWLock guards it all. Writers hold it exclusively for a few hundred
-//! nanoseconds twice per allocation and once per commit; readers hold it
-//! shared while scanning the active backend slots and the newest ring
-//! entries. The sequence's own lock, not ours, orders IDs. Measured hold
-//! times and what they mean on many cores: docs/performance.md.
+//! One LWLock guards every change. Writers hold it exclusively for a few
+//! hundred nanoseconds twice per allocation and once per commit; readers
+//! take no lock: they copy the active slots and the newest ring entries as
+//! a seqlock read, and take the lock shared only after 8 tries that a
+//! writer kept moving (docs/design.md, "Reading without the lock"). The
+//! sequence's own lock, not ours, orders IDs. Measured hold times and what
+//! they mean on many cores: docs/performance.md.
 
 mod alloc;
 pub mod history;

@@ -33,6 +33,7 @@ from support import (
     create_stream,
     ensure_login_role,
     expect_error,
+    in_flight,
     one,
     rows,
     scratch_database,
@@ -901,6 +902,69 @@ def test_a_table_owners_code_leaves_nothing_in_the_callers_session(arena, caller
         # The caller's own lock is still held, twice.
         assert [one(c, "SELECT pg_advisory_unlock(7)") for _ in range(3)] == [True, True, False]
     assert [r for r in arena.spied() if r[1] not in (HOMESERVER, ATTACKER)] == []
+
+
+@pytest.mark.parametrize("caller", [None, READER])
+def test_a_table_owners_code_may_not_take_holds_or_ids_for_the_caller(arena, caller):
+    """The adversary of 0.4.0 (F1): an index predicate of the homeserver's
+    table that called streampos.hold_ids() 64 times left 64 holds in the
+    caller's session (a hold outlives the subtransaction that took it): the
+    other stream's frontier stuck behind the caller's session for as long
+    as it lived, and the caller's own hold_ids() 53400; next_id() left an
+    ID in flight in the caller's transaction. hold_ids, release_ids,
+    next_id and next_ids are refused (42501) in another role's code inside
+    a streampos function, as the advisory lock functions are."""
+    admin = arena.connect()
+    hs = arena.connect(HOMESERVER)
+    create_stream(hs, "s")
+    create_stream(hs, "s2")
+    hs.execute("CREATE TABLE public.holdy (id bigint, instance_name text)")
+    hs.execute("GRANT SELECT ON public.holdy TO PUBLIC")
+    hs.execute("SELECT streampos.add_table('s', 'public.holdy', 'id', 'instance_name')")
+    hs.execute("INSERT INTO public.holdy SELECT streampos.next_id('s', 'w'), 'w'")
+    hs.execute(
+        """
+        CREATE FUNCTION public.take_ids() RETURNS boolean LANGUAGE plpgsql VOLATILE AS
+            $$ BEGIN RETURN true; END $$;
+        CREATE FUNCTION public.take_ids_i() RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS
+            $$ BEGIN RETURN public.take_ids(); END $$;
+        """
+    )
+    # CREATE INDEX folds the predicate in the owner's own session: the
+    # trap is armed after.
+    hs.execute("CREATE INDEX holdy_trap ON public.holdy (id) WHERE public.take_ids_i()")
+    attempts = "".join(
+        f"BEGIN PERFORM {call}; RAISE NOTICE 'trap: {name} ran'; "
+        f"EXCEPTION WHEN insufficient_privilege THEN RAISE NOTICE 'trap: {name} refused'; "
+        f"WHEN OTHERS THEN RAISE NOTICE 'trap: {name} ran'; END; "
+        for name, call in (
+            ("hold_ids", "streampos.hold_ids('s2', 'w')"),
+            ("release_ids", "streampos.release_ids('s2', ARRAY[1]::bigint[])"),
+            ("next_id", "streampos.next_id('s2', 'w')"),
+            ("next_ids", "streampos.next_ids('s2', 'w', 2)"),
+        )
+    )
+    hs.execute(
+        "CREATE OR REPLACE FUNCTION public.take_ids() RETURNS boolean LANGUAGE plpgsql VOLATILE AS "
+        f"$$ BEGIN {attempts} RETURN true; END $$"
+    )
+    if caller is not None:
+        admin.execute(f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA streampos TO {caller}")
+    calls = ["SELECT streampos.updates('s', '0')", "SELECT count(*) FROM streampos.check_stream('s')"]
+    for call in calls:
+        c = arena.connect(caller)
+        # The owner's code runs in a subtransaction streampos rolls back
+        # (a spy's row would go with it): it says what happened in notices.
+        notices = []
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        with c.transaction():
+            c.execute(call)
+            # Nothing in flight for the caller's transaction, nor held for
+            # its session.
+            assert in_flight(admin, "s2") == [], call
+        assert in_flight(admin, "s2") == [], call
+        assert set(notices) == {f"trap: {name} refused" for name in ("hold_ids", "release_ids", "next_id", "next_ids")}, (
+            call, notices)
 
 
 def test_a_table_owners_code_may_not_take_or_release_advisory_locks(arena):

@@ -127,7 +127,7 @@ class Consumer:
         """The acknowledged position (None: not registered)."""
         row = self.conn.execute(
             "SELECT position::text FROM streampos.consumer_positions "
-            "WHERE stream_name = %s AND consumer_name = %s",
+            "WHERE stream_name OPERATOR(pg_catalog.=) %s AND consumer_name OPERATOR(pg_catalog.=) %s",
             (self.stream, self.name),
         ).fetchone()
         return None if row is None else MultiWriterToken.parse(row[0])

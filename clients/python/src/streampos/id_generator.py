@@ -59,8 +59,8 @@ SELECT streampos.frontier(%(s)s),
                    pg_catalog.jsonb_build_array(w.instance_name, w.instance_id, w.stream_id)
                    ORDER BY w.instance_id), '[]'::jsonb)
           FROM streampos.writer_positions(%(s)s) w),
-       (SELECT st.backwards FROM streampos.streams st WHERE st.stream_name = %(s)s),
-       (SELECT st.writers FROM streampos.streams st WHERE st.stream_name = %(s)s)
+       (SELECT st.backwards FROM streampos.streams st WHERE st.stream_name OPERATOR(pg_catalog.=) %(s)s),
+       (SELECT st.writers FROM streampos.streams st WHERE st.stream_name OPERATOR(pg_catalog.=) %(s)s)
 """
 
 _NEXT_IDS_SQL = "SELECT streampos.next_ids(%s, %s, %s)"

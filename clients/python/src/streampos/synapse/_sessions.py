@@ -49,14 +49,19 @@ _REGISTER_LOCK_WAIT = "60s"
 _EXTENSION_SQL = """
 SELECT e.extversion,
        EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
-                WHERE p.pronamespace = e.extnamespace AND p.proname = 'hold_ids')
-  FROM pg_catalog.pg_extension e WHERE e.extname = 'streampos'
+                WHERE p.pronamespace OPERATOR(pg_catalog.=) e.extnamespace
+                  AND p.proname OPERATOR(pg_catalog.=) 'hold_ids')
+  FROM pg_catalog.pg_extension e WHERE e.extname OPERATOR(pg_catalog.=) 'streampos'
 """
 _STREAM_SQL = """
-SELECT st.backwards, st.seq::regclass::text, st.seq = ?::regclass
-  FROM streampos.streams st WHERE st.stream_name = ?
+SELECT st.backwards, st.seq::pg_catalog.regclass::pg_catalog.text,
+       st.seq OPERATOR(pg_catalog.=) ?::pg_catalog.regclass
+  FROM streampos.streams st WHERE st.stream_name OPERATOR(pg_catalog.=) ?
 """
-_TABLE_REGISTERED_SQL = "SELECT 1 FROM streampos.stream_tables WHERE stream_name = ? AND tbl = ?::regclass"
+_TABLE_REGISTERED_SQL = (
+    "SELECT 1 FROM streampos.stream_tables "
+    "WHERE stream_name OPERATOR(pg_catalog.=) ? AND tbl OPERATOR(pg_catalog.=) ?::pg_catalog.regclass"
+)
 
 
 class HoldLostError(Exception):

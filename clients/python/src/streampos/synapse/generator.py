@@ -59,7 +59,7 @@ SELECT streampos.frontier(?), streampos.max_allocated(?), w.names, w.positions
                COALESCE(pg_catalog.array_agg(stream_id ORDER BY instance_id), '{}') AS positions
           FROM streampos.writer_positions(?)) w
 """
-_VISIBLE_SQL = "SELECT 1 FROM streampos.streams WHERE stream_name = ?"
+_VISIBLE_SQL = "SELECT 1 FROM streampos.streams WHERE stream_name OPERATOR(pg_catalog.=) ?"
 
 
 class StreamposIdGenerator(AbstractStreamIdGenerator):
