@@ -123,3 +123,36 @@ install_extension() {
         esac
     done
 }
+
+# The trap fixture (test/python/traps.py) over the suites that scripts/test
+# runs; STREAMPOS_TRAPS=0 turns it off. A trap that records itself also
+# writes a line with this tag into the server log (RAISE LOG), which stays
+# when the suite drops the database it fired in.
+TRAP_LOG_TAG="STREAMPOS TRAP FIRED:"
+traps_enabled() { [ "${STREAMPOS_TRAPS:-1}" != 0 ]; }
+
+# traps_plant DBNAME [plant|plant-regress]: plant the traps in that
+# database of the server that STREAMPOS_PGHOST/STREAMPOS_PGPORT name.
+traps_plant() {
+    traps_enabled || return 0
+    .venv/bin/python test/python/traps.py "${2:-plant}" "$1"
+}
+
+# traps_log_mark LOGFILE: the offset from which traps_log_check reads.
+traps_log_mark() {
+    stat -c %s "$1" 2>/dev/null || echo 0
+}
+
+# traps_log_check LOGFILE OFFSET WHAT: fails, printing what fired, if a
+# trap wrote into the server log after OFFSET.
+traps_log_check() {
+    traps_enabled || return 0
+    local log=$1 offset=$2 what=$3 found
+    found=$(tail -c +"$((offset + 1))" "$log" | grep -c -F "$TRAP_LOG_TAG" || true)
+    if [ "$found" -gt 0 ]; then
+        echo "traps fired $found time(s) during $what (server log $log):"
+        tail -c +"$((offset + 1))" "$log" | grep -F -A 12 "$TRAP_LOG_TAG" | head -n 200
+        return 1
+    fi
+    echo "traps: none fired during $what"
+}

@@ -32,6 +32,10 @@ def pytest_configure(config):
         "markers",
         "restarts_server: the test stops, crashes or restarts the server; such tests run last",
     )
+    config.addinivalue_line(
+        "markers",
+        "fires_traps: the test fires the trap fixture on purpose and checks what it recorded (test_traps.py)",
+    )
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -84,6 +88,10 @@ def trap_check(request):
         yield
         return
     request.getfixturevalue("planted_traps")
+    if request.node.get_closest_marker("fires_traps"):
+        yield
+        traps.take_log()
+        return
     # Set up before the test's connections, so that they are still open
     # when this checks them.
     factory = request.getfixturevalue("connect") if "connect" in request.fixturenames else None

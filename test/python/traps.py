@@ -51,7 +51,7 @@ import re
 
 import psycopg
 
-from support import DBNAME, connect_raw, ensure_login_role, rows
+from support import DBNAME, connect_raw, rows
 
 ENABLED = os.environ.get("STREAMPOS_TRAPS", "1") != "0"
 TRAPPER = "streampos_trapper"
@@ -63,9 +63,17 @@ INDEX_TRAP_PATH = "public, pg_catalog, trap_index_path"
 INDEX_TRAP_WORK_MEM = "2345kB"
 INDEX_TRAP_LOCK = 74110
 
+# The line a recording trap writes into the server log (RAISE LOG), which
+# the suites that drop their databases (Synapse's) or check per suite
+# (pg_regress, the Rust client) look for: scripts/lib.sh, traps_log_check.
+LOG_TAG = "STREAMPOS TRAP FIRED:"
+
 # Tables the index trap leaves alone, {regular expression on relname: why}:
 # tests that check exact behaviour the extra index changes.
-EXEMPT_TABLES = {}
+EXEMPT_TABLES = {
+    "^unt_turned$": "test/sql/untrusted_view.sql turns it into a view (a _RETURN rule), "
+                    "which a table with an index refuses with another error",
+}
 
 # pg_catalog functions the extension (src/) and the Python client
 # (clients/python/src/streampos) call, with the argument types they are
@@ -180,7 +188,19 @@ BEGIN
     caller := array_to_string(lines[i + 1:], E'\\n');
     IF rel IS NULL THEN
         -- A test's own top-level statement chose its path: not recorded.
-        IF caller = '' AND q IS NOT NULL AND strpos(q, 'pg_catalog.') = 0 THEN
+        -- Under pg_regress every top-level statement is the test file's or
+        -- psql's (whose \\d queries compare with unqualified operators).
+        -- In a strict database (the clients' suites: public.trap_strict),
+        -- every statement is recorded: a client's statement is top-level.
+        IF caller = '' AND q IS NOT NULL AND (strpos(q, 'pg_catalog.') = 0
+                OR current_setting('application_name') LIKE 'pg\\_regress%')
+                AND to_regclass('public.trap_strict') IS NULL THEN
+            RETURN;
+        END IF;
+        -- Nor, under pg_regress, the code a test file wrote (its DO blocks
+        -- and functions): only a chain with a statement written as the
+        -- extension's internal SQL is (qualified names).
+        IF current_setting('application_name') LIKE 'pg\\_regress%' AND strpos(caller, 'pg_catalog.') = 0 THEN
             RETURN;
         END IF;
         PERFORM public.trap_record(label, stack, q);
@@ -207,6 +227,10 @@ END $$;
 CREATE FUNCTION public.trap_record(label text, stack text, q text) RETURNS void
 LANGUAGE plpgsql VOLATILE PARALLEL SAFE SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
+    -- In the server log too (not sent to a client at the default
+    -- client_min_messages): evidence that outlives a dropped database.
+    RAISE LOG '{LOG_TAG} % as % (session %) in database %: query %; stack: %',
+        label, current_user, session_user, current_database(), q, stack;
     BEGIN
         PERFORM nextval('public.trap_fired'::regclass);
         INSERT INTO public.trap_log (who, session_role, label, stack, query, pid)
@@ -233,7 +257,9 @@ DECLARE
     r record;
 BEGIN
     FOR r IN
-        SELECT c.oid, n.nspname, c.relname
+        -- DISTINCT: a statement can report its table twice (Synapse's
+        -- CREATE TABLE with a foreign key), IF NOT EXISTS below too.
+        SELECT DISTINCT c.oid, n.nspname, c.relname
         FROM pg_event_trigger_ddl_commands() d
         JOIN pg_class c ON c.oid = d.objid
         JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -243,7 +269,7 @@ BEGIN
           AND c.relname !~ {exempt}
     LOOP
         EXECUTE format(
-            'CREATE INDEX %I ON %I.%I ((public.trap_index(%s, %L))) WHERE public.trap_index(%s, %L)',
+            'CREATE INDEX IF NOT EXISTS %I ON %I.%I ((public.trap_index(%s, %L))) WHERE public.trap_index(%s, %L)',
             'trap_idx_' || r.oid, r.nspname, r.relname,
             r.oid, format('index expression on %I.%I', r.nspname, r.relname),
             r.oid, format('index predicate on %I.%I', r.nspname, r.relname));
@@ -254,6 +280,7 @@ CREATE EVENT TRIGGER trap_add_index ON ddl_command_end WHEN TAG IN ('CREATE TABL
 """
 
 MARKER = "public.trap_planted()"
+TOKEN_MARKER = "public.trap_planted_tokens()"
 MACHINERY_NAMES = ("trap_fire", "trap_record", "trap_index", "trap_add_index")
 
 _summary = {"functions": [], "aggregates": [], "operators": [], "operators_refused": [],
@@ -297,29 +324,49 @@ def _exempt_regex():
     return "|".join(f"(?:{p})" for p in EXEMPT_TABLES) or "^$"
 
 
-def plant():
-    """Plant everything in the test database (the superuser's part too),
-    unless it is there already."""
-    ensure_login_role(TRAPPER)
-    with connect_raw() as admin:
+# Views plant() leaves out with synapse=True: Synapse's own tables of
+# these names are created after (its base database is planted first).
+SYNAPSE_TABLES = ("instance_map", "schema_version", "stream_positions")
+
+
+def plant(dbname=DBNAME, synapse=False, regress=False, strict=False):
+    """Plant everything in the database (the test database unless named;
+    the superuser's part too), unless it is there already. The operators
+    for streampos's token types need the extension: planted by a later
+    call once it is created (a database copied from a planted template gets
+    the rest)."""
+    with connect_raw(dbname) as admin:
+        admin.execute(
+            f"DO $$ BEGIN CREATE ROLE {TRAPPER} LOGIN; "
+            f"EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+        )
         admin.execute(f"GRANT CREATE ON SCHEMA public TO {TRAPPER}")
         if rows(admin, "SELECT to_regprocedure('public.trap_fire(text, oid)')")[0][0] is None:
             # Unlogged sequences came with PostgreSQL 15; a logged one is only
             # not reset by a crash restart (fired_since copes with both).
             unlogged = int(rows(admin, "SHOW server_version_num")[0][0]) >= 150000
-            with connect_raw(user=TRAPPER) as t:
+            with connect_raw(dbname, user=TRAPPER) as t:
                 t.execute(MACHINERY.replace("{sequence_persistence}", "UNLOGGED" if unlogged else ""))
         if not rows(admin, "SELECT 1 FROM pg_event_trigger WHERE evtname = 'trap_add_index'"):
             admin.execute(EVENT_TRIGGER.replace("{exempt}", _literal(_exempt_regex())))
-        if rows(admin, f"SELECT to_regprocedure('{MARKER}')")[0][0] is not None:
-            return
-    with connect_raw(user=TRAPPER) as t:
+        planted = rows(admin, f"SELECT to_regprocedure('{MARKER}')")[0][0] is not None
+        tokens = rows(admin, "SELECT to_regtype('streampos.room_stream_token')")[0][0] is not None
+        tokens_planted = rows(admin, f"SELECT to_regprocedure('{TOKEN_MARKER}')")[0][0] is not None
+    if planted and (tokens_planted or not tokens) and not strict:
+        return
+    with connect_raw(dbname, user=TRAPPER) as t:
         t.execute("SET search_path = pg_catalog, pg_temp")
-        _plant_objects(t)
-        t.execute(f"CREATE FUNCTION {MARKER} RETURNS boolean LANGUAGE sql AS 'SELECT true'")
+        if strict:
+            t.execute("CREATE TABLE IF NOT EXISTS public.trap_strict ()")
+        if not planted:
+            _plant_objects(t, skip_views=SYNAPSE_TABLES if synapse else ())
+            t.execute(f"CREATE FUNCTION {MARKER} RETURNS boolean LANGUAGE sql AS 'SELECT true'")
+        if tokens and not tokens_planted:
+            _plant_operators(t, token_types=True, regress=regress)
+            t.execute(f"CREATE FUNCTION {TOKEN_MARKER} RETURNS boolean LANGUAGE sql AS 'SELECT true'")
 
 
-def _plant_objects(t):
+def _plant_objects(t, skip_views=()):
     for key in _summary:
         _summary[key].clear()
     for name, args, returns, body in FUNCTIONS:
@@ -335,32 +382,11 @@ def _plant_objects(t):
         initcond = f", INITCOND = {_literal(init)}" if init is not None else ""
         t.execute(f"CREATE AGGREGATE public.{name}({arg}) (SFUNC = public.{sfunc}, STYPE = {stype}{initcond})")
         _summary["aggregates"].append(f"{name}({arg})")
-    exact = {
-        (r[0], r[1], r[2])
-        for r in rows(
-            t,
-            "SELECT oprname::text, oprleft::regtype::text, oprright::regtype::text FROM pg_operator "
-            "WHERE oprnamespace = 'pg_catalog'::regnamespace",
-        )
-    }
-    canonical = {ty: rows(t, f"SELECT '{ty}'::regtype::text")[0][0] for ty in TYPES}
-    n = 0
-    for op in OPERATORS:
-        for left in TYPES:
-            for right in TYPES:
-                if (op, canonical[left], canonical[right]) in exact:
-                    continue
-                n += 1
-                fn = f"trap_op_{n}"
-                body = _faithful_operator(t, op, left, right)
-                label = f"{op}({left}, {right})"
-                t.execute(_plpgsql(fn, f"{left}, {right}", "boolean", body, label))
-                t.execute(f"ALTER FUNCTION public.{fn}({left}, {right}) STRICT")
-                err = _try(t, f"CREATE OPERATOR public.{op} (LEFTARG = {left}, RIGHTARG = {right}, FUNCTION = public.{fn})")
-                (_summary["operators_refused"] if err else _summary["operators"]).append(
-                    label + (f": {err}" if err else "")
-                )
+    _plant_operators(t, token_types=False)
+    extension = rows(t, "SELECT to_regnamespace('streampos')")[0][0] is not None
     for source, target in CASTS:
+        if not extension and "streampos." in source + target:
+            continue
         fn = f"trap_cast_{len(_summary['casts_refused'])}"
         t.execute(_plpgsql(fn, source, target, f"RETURN $1::text::{target};", f"cast {source} AS {target}"))
         err = _try(t, f"CREATE CAST ({source} AS {target}) WITH FUNCTION public.{fn}({source}) AS IMPLICIT")
@@ -374,6 +400,8 @@ def _plant_objects(t):
         "$$ BEGIN PERFORM public.trap_fire(label); RETURN true; END $$"
     )
     for name, source in VIEWS.items():
+        if name in skip_views:
+            continue
         # pg_attribute's attmissingval (anyarray) cannot be a view's column.
         columns = "x.*" if name != "pg_attribute" else ", ".join(
             f"x.{r[0]}" for r in rows(
@@ -389,10 +417,52 @@ def _plant_objects(t):
         (_summary["views_refused"] if err else _summary["views"]).append(name + (f": {err}" if err else ""))
 
 
-def unplant():
+def _plant_operators(t, token_types, regress=False):
+    exact = {
+        (r[0], r[1], r[2])
+        for r in rows(
+            t,
+            "SELECT oprname::text, oprleft::regtype::text, oprright::regtype::text FROM pg_operator "
+            "WHERE oprnamespace = 'pg_catalog'::regnamespace",
+        )
+    }
+    # Pairs with a token type once the extension is there, the others
+    # before (a template without the extension).
+    types = [ty for ty in TYPES if token_types or not ty.startswith("streampos.")]
+    canonical = {ty: rows(t, f"SELECT '{ty}'::regtype::text")[0][0] for ty in types}
+    prefix = "trap_opt_" if token_types else "trap_op_"
+    n = 0
+    for op in OPERATORS:
+        for left in types:
+            for right in types:
+                if (op, canonical[left], canonical[right]) in exact:
+                    continue
+                if token_types and not (left.startswith("streampos.") or right.startswith("streampos.")):
+                    continue
+                # pg_regress's token files set search_path = public,
+                # streampos for their own statements (not recorded): an
+                # exact shadow in public of streampos's operators, or one
+                # for the two token types (no operator, no implicit cast:
+                # code comparing them fails anyway), changes only their
+                # plans and error texts. The other suites plant them.
+                if regress and left.startswith("streampos.") and right.startswith("streampos."):
+                    continue
+                n += 1
+                fn = f"{prefix}{n}"
+                body = _faithful_operator(t, op, left, right)
+                label = f"{op}({left}, {right})"
+                t.execute(_plpgsql(fn, f"{left}, {right}", "boolean", body, label))
+                t.execute(f"ALTER FUNCTION public.{fn}({left}, {right}) STRICT")
+                err = _try(t, f"CREATE OPERATOR public.{op} (LEFTARG = {left}, RIGHTARG = {right}, FUNCTION = public.{fn})")
+                (_summary["operators_refused"] if err else _summary["operators"]).append(
+                    label + (f": {err}" if err else "")
+                )
+
+
+def unplant(dbname=DBNAME):
     """Drop what plant() planted, but the machinery that the index traps of
     existing tables call (for a test that plants the same names itself)."""
-    with connect_raw() as admin:
+    with connect_raw(dbname) as admin:
         admin.execute(
             f"""
             DO $$
@@ -418,12 +488,12 @@ def summary():
     return _summary
 
 
-def take_log():
+def take_log(dbname=DBNAME):
     """What the traps recorded since the last call (removed), grouped as
     (count, label, who, session role, query, stack), and the count of
     recordings until now (a rollback does not undo it; a crash restart
     resets it, with the log: unlogged)."""
-    with connect_raw() as c:
+    with connect_raw(dbname) as c:
         logged = rows(
             c,
             "WITH taken AS (DELETE FROM public.trap_log RETURNING *) "
@@ -473,3 +543,42 @@ def session_findings(connections):
         if path in (FUNCTION_TRAP_PATH, INDEX_TRAP_PATH) or work_mem == INDEX_TRAP_WORK_MEM:
             found.append(f"pid {conn.info.backend_pid}: search_path={path!r} work_mem={work_mem!r}")
     return found
+
+
+def main(argv):
+    """scripts/ and the clients' suites use this: ``traps.py plant DBNAME``,
+    ``traps.py plant-strict DBNAME`` (the clients' suites: a test's own
+    top-level statements are recorded too, for a client's statement is
+    one), ``traps.py plant-regress DBNAME`` (pg_regress: without the operators
+    between two token types), ``traps.py plant-synapse DBNAME`` (before Synapse's schema: without the
+    views named like its tables; again after CREATE EXTENSION for the
+    token types' operators), ``traps.py check DBNAME`` (exit 1, and the
+    log, if a trap recorded)."""
+    if not ENABLED:
+        return 0
+    what, dbname = argv
+    if what in ("plant", "plant-synapse", "plant-regress", "plant-strict"):
+        plant(dbname, synapse=what == "plant-synapse", regress=what == "plant-regress",
+              strict=what == "plant-strict")
+        return 0
+    # A fixture that was never planted would pass every check.
+    with connect_raw(dbname) as c:
+        planted, tokens, tokens_planted = rows(
+            c,
+            f"SELECT to_regprocedure('{MARKER}'), to_regtype('streampos.room_stream_token'), "
+            f"to_regprocedure('{TOKEN_MARKER}')",
+        )[0]
+    if planted is None or (tokens is not None and tokens_planted is None):
+        print(f"traps: {dbname} was not (fully) planted")
+        return 1
+    logged, fired = take_log(dbname)
+    if logged or fired:
+        print(f"traps fired {fired} time(s) in {dbname}:\n{format_log(logged)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -218,7 +218,7 @@ FROM (VALUES
 SELECT p.oid::regprocedure AS function, p.provolatile, p.proparallel
 FROM pg_proc p
 WHERE p.proname = 'in_range' AND p.pronamespace = 'streampos'::regnamespace
-ORDER BY 1::text;
+ORDER BY p.oid::regprocedure::text COLLATE "C";
 
 CREATE TABLE master_bounds AS
 SELECT make_room_token(5, ARRAY[instance_id('master')], ARRAY[8]) AS lo,

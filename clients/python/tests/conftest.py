@@ -6,13 +6,21 @@ STREAMPOS_PGPORT name). Tests marked ``restarts_server`` run after all
 others. Helpers live in client_support.py.
 """
 
+import os
 import re
+import sys
 import uuid
 
 import psycopg
 import pytest
 
 from client_support import DBNAME, PGHOST, PGPORT, conninfo, connect
+
+# The trap fixture of the extension's tests (test/python/traps.py): planted
+# in this suite's database, checked after each test. STREAMPOS_TRAPS=0
+# turns it off.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "test", "python"))
+import traps  # noqa: E402
 
 
 def pytest_configure(config):
@@ -34,7 +42,25 @@ def database():
         admin.execute(f"CREATE DATABASE {DBNAME}")
     with psycopg.connect(conninfo(), autocommit=True) as c:
         c.execute("CREATE EXTENSION streampos")
+    if traps.ENABLED:
+        traps.plant(DBNAME, strict=True)
     return DBNAME
+
+
+@pytest.fixture(autouse=True)
+def trap_check(request):
+    """After each test that used the database: no trap fired (the log is
+    empty and the fired count did not move). A test that restarts the
+    server resets the count (unlogged): fired_since copes."""
+    if not traps.ENABLED or "database" not in request.fixturenames:
+        yield
+        return
+    logged, fired_before = traps.take_log(DBNAME)
+    assert not logged, "traps fired after the previous test's checks:\n" + traps.format_log(logged)
+    yield
+    logged, fired = traps.take_log(DBNAME)
+    fired = traps.fired_since(fired_before, fired)
+    assert not logged and not fired, f"traps fired {fired} time(s):\n{traps.format_log(logged)}"
 
 
 @pytest.fixture

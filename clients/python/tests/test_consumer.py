@@ -50,7 +50,7 @@ def test_a_batch_commits_with_its_acknowledgement(db, stream):
         assert conn.execute("SELECT count(*) FROM seen").fetchone()[0] == 0
         with consumer.batch() as batch:
             assert len(batch) == 2 and not batch.limited
-            conn.execute("INSERT INTO seen SELECT unnest(%s::bigint[])", ([1, 2],))
+            conn.execute("INSERT INTO seen SELECT pg_catalog.unnest(%s::bigint[])", ([1, 2],))
         assert consumer.position() == streampos.MultiWriterToken(2)
         with consumer.batch() as batch:
             assert len(batch) == 0

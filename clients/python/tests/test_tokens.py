@@ -309,7 +309,7 @@ def test_bad_binary_is_refused_by_the_server_too(db):
 
 def test_orders_and_lattice_agree_with_the_server(db):
     rng = random.Random(13)
-    db.execute("SET search_path = public, streampos")
+    db.execute("SET search_path = streampos, public")
     for cls, sql_type in ((R, "streampos.room_stream_token"), (M, "streampos.multi_writer_token")):
         tokens = [random_token(rng, cls) for _ in range(120)]
         ordered = db.execute(

@@ -2,7 +2,8 @@
 //! server is named by STREAMPOS_PGHOST and STREAMPOS_PGPORT (scripts/test
 //! sets them); without STREAMPOS_PGPORT every test passes after saying it was
 //! skipped. Each test uses streams of its own in the database
-//! `streampos_rsclient`.
+//! `streampos_rsclient`, where the traps of test/python/traps.py are planted
+//! when STREAMPOS_TRAPS_PLANT names the command (scripts/test).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -50,6 +51,17 @@ async fn database() -> Option<String> {
                 .batch_execute("CREATE EXTENSION streampos")
                 .await
                 .expect("create the extension");
+            // The trap fixture (test/python/traps.py): scripts/test names
+            // the command that plants it, and checks after the run that
+            // nothing the client sent fired a trap.
+            if let Ok(plant) = std::env::var("STREAMPOS_TRAPS_PLANT") {
+                let status = Command::new("sh")
+                    .arg("-c")
+                    .arg(format!("{plant} {DBNAME}"))
+                    .status()
+                    .expect("run STREAMPOS_TRAPS_PLANT");
+                assert!(status.success(), "planting the traps failed: {status}");
+            }
             Some(conninfo)
         })
         .await

@@ -40,6 +40,32 @@ def _count(cls, counts):
     cls.__init__ = __init__
 
 
+def _plant_traps(db_conn):
+    """The trap fixture (test/python/traps.py) in the database being
+    prepared, before Synapse's schema (so that its tables get the index
+    traps) and again after the extension (the token types' operators); the
+    databases of the tests are copies. scripts/synapse-tests checks the
+    server log after the run. STREAMPOS_TRAPS=0 turns it off."""
+    if os.environ.get("STREAMPOS_TRAPS", "1") == "0":
+        return
+    import subprocess
+
+    cur = db_conn.cursor(txn_name="streampos_traps")
+    cur.execute("SELECT pg_catalog.current_database()")
+    (dbname,) = cur.fetchone()
+    cur.close()
+    db_conn.commit()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # Without this shim (PYTHONPATH) in the child: it needs no Synapse.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The server Synapse's tests use (scripts/synapse-tests may run its own).
+    env["STREAMPOS_PGHOST"] = os.environ.get("SYNAPSE_POSTGRES_HOST", "127.0.0.1")
+    env["STREAMPOS_PGPORT"] = os.environ.get("SYNAPSE_POSTGRES_PORT", "5432")
+    subprocess.run(
+        [sys.executable, os.path.join(root, "python", "traps.py"), "plant-synapse", dbname], check=True, env=env
+    )
+
+
 def _create_extension_after_prepare():
     """Synapse's tests build one base database per process with
     prepare_database and clone it per test: create the extension in every
@@ -50,12 +76,16 @@ def _create_extension_after_prepare():
     prepare = module.prepare_database
 
     def prepare_database(db_conn, database_engine, config, databases=("main", "state")):
+        postgres = isinstance(database_engine, PostgresEngine)
+        if postgres:
+            _plant_traps(db_conn)
         prepare(db_conn, database_engine, config, databases=databases)
-        if isinstance(database_engine, PostgresEngine):
+        if postgres:
             cur = db_conn.cursor(txn_name="streampos_create_extension")
             cur.execute("CREATE EXTENSION IF NOT EXISTS streampos")
             cur.close()
             db_conn.commit()
+            _plant_traps(db_conn)
 
     prepare_database.__wrapped__ = prepare
     module.prepare_database = prepare_database
