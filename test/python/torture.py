@@ -1748,6 +1748,7 @@ def run(
     standby=None,
     long_cursor_snapshots=CACHED_SNAPSHOTS + 300,
     long_cursor_seconds=30.0,
+    first_front=0,
 ):
     """Run the torture load and (unless ``verify_at_end`` is false) its checks.
 
@@ -1765,7 +1766,10 @@ def run(
     previous frontier (a missed row would be an ID allocated by a
     transaction in flight near the sample, far inside the window); one in
     eight, and all while the stream is shorter, count every row. ``None``:
-    always every row. ``checkpoint_ms``: CHECKPOINT about that often, and
+    always every row. ``first_front``: the readers' first "previous
+    frontier" (internal numbering): on a table earlier runs filled, the
+    first samples count the window too (a cursor's would fetch the whole
+    table). ``checkpoint_ms``: CHECKPOINT about that often, and
     ``span_rate`` of the transactions allocate again after the next one.
     ``fresh_writers``: the probability that a transaction writes as a new
     instance name (at most ``fresh_cap`` per writer thread) and stays open
@@ -1831,6 +1835,7 @@ def run(
         for r in range(readers):
             rd = _Reader(conninfo, st, stream, table, names, r, seed * 104729 + r, tolerate_disconnect, backwards,
                          window, start)
+            rd.last_front = first_front
             reader_threads.append(threading.Thread(target=rd.run_cycle, args=(cycle,), name=f"torture-reader-{r}",
                                                    daemon=True))
     helpers = []
