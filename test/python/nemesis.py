@@ -29,7 +29,6 @@ import argparse
 import os
 import random
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +38,9 @@ from psycopg import sql
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torture  # noqa: E402
+# initdb, pg_ctl and pg_basebackup refuse root: run as postgres, no Rust
+# backtraces in the server's messages (cluster.py's runner).
+from cluster import _run as run_tool  # noqa: E402
 from torture import ContractViolation, connect  # noqa: E402
 
 NEMESIS_WRITER = "nemesis_w"
@@ -77,11 +79,6 @@ BETWEEN_STEPS = ("drop_create", "drop_blocked_by_consumer")
 # fixed, `--standby-feedback` takes it.)
 KNOWN_FINDINGS = ("prepared_across_crash", "prepared_across_clean_restart", "prepared_consumer_across_crash")
 SLOT = "nemesis_standby"
-
-
-def as_postgres(cmd):
-    # initdb, pg_ctl and pg_basebackup refuse to run as root.
-    return ["runuser", "-u", "postgres", "--"] + cmd if os.geteuid() == 0 else cmd
 
 
 class Nemesis:
@@ -142,14 +139,8 @@ class Nemesis:
         if not isinstance(got, psycopg.Error):
             self.fail(f"{query!r} {params!r} answered {got!r}, the contract says {sqlstate}")
 
-    def run_tool(self, *cmd, timeout=180):
-        env = dict(os.environ, RUST_BACKTRACE="0", RUST_LIB_BACKTRACE="0")
-        p = subprocess.run(as_postgres(list(cmd)), capture_output=True, text=True, timeout=timeout, env=env)
-        if p.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)}: {p.stdout}{p.stderr}")
-
-    def pg_ctl(self, pgdata, *args):
-        self.run_tool(os.path.join(self.pg_bin, "pg_ctl"), "-D", pgdata, *args)
+    def pg_ctl(self, pgdata, *args, check=True):
+        run_tool([os.path.join(self.pg_bin, "pg_ctl"), "-D", pgdata, *args], timeout=180, check=check)
 
     def wait_ready(self, writable=True):
         deadline = time.monotonic() + 120
@@ -188,16 +179,14 @@ class Nemesis:
         c.execute("ALTER SYSTEM SET synchronous_standby_names = ''")
         c.execute("SELECT pg_reload_conf()")
         if os.path.exists(os.path.join(pgdata, "postmaster.pid")):
-            try:
-                self.pg_ctl(pgdata, "-m", "immediate", "-w", "-t", "60", "stop")
-            except RuntimeError:
-                pass  # already gone (a crashed old primary)
+            # Not checked: already gone (a crashed old primary).
+            self.pg_ctl(pgdata, "-m", "immediate", "-w", "-t", "60", "stop", check=False)
         shutil.rmtree(pgdata, ignore_errors=True)
         c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
                   (SLOT,))
-        self.run_tool(os.path.join(self.pg_bin, "pg_basebackup"), "-h", self.conninfo["host"],
-                      "-p", str(self.conninfo["port"]), "-U", self.conninfo.get("user", "postgres"), "-D", pgdata,
-                      "-R", "-X", "stream", "-c", "fast", "-C", "-S", SLOT, "--no-sync")
+        run_tool([os.path.join(self.pg_bin, "pg_basebackup"), "-h", self.conninfo["host"],
+                  "-p", str(self.conninfo["port"]), "-U", self.conninfo.get("user", "postgres"), "-D", pgdata,
+                  "-R", "-X", "stream", "-c", "fast", "-C", "-S", SLOT, "--no-sync"], timeout=180)
         # Read after postgresql.conf and the copied auto.conf; the standby
         # keeps synchronous_standby_names empty for when it is promoted.
         with open(os.path.join(pgdata, "postgresql.auto.conf"), "a") as f:
@@ -866,10 +855,7 @@ class Nemesis:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="The torture load with a nemesis (docs/torture.md, Nemesis).")
-    p.add_argument("--host", default=os.environ.get("PGHOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("PGPORT", "5432")))
-    p.add_argument("--dbname", default=os.environ.get("PGDATABASE", "postgres"))
-    p.add_argument("--user", default=os.environ.get("PGUSER", "postgres"))
+    torture.add_connection_arguments(p)
     p.add_argument("--pgdata", default=os.environ.get("STREAMPOS_PGDATA"),
                    help="the server's data directory (restarts; without it, none)")
     p.add_argument("--standby-pgdata", help="where to make a synchronous standby to promote (with --standby-port)")

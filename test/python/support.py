@@ -165,10 +165,10 @@ def paused_next_id(pool, observer, conn, stream, writer, delay_ms):
     return future, started
 
 
-def ensure_login_role(name):
+def ensure_login_role(name, dbname=DBNAME):
     """A LOGIN role `name` with nothing beyond PUBLIC's privileges (created
-    unless it exists); returns its name."""
-    with connect_raw() as admin:
+    unless it exists, from a session of `dbname`); returns its name."""
+    with connect_raw(dbname) as admin:
         admin.execute(
             f"DO $$ BEGIN CREATE ROLE {name} LOGIN; "
             f"EXCEPTION WHEN duplicate_object THEN NULL; END $$"

@@ -1950,14 +1950,20 @@ def summary_line(result):
     return line
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(
-        description="Torture streampos: concurrent writers and readers, then check every answer and sample.",
-    )
+def add_connection_arguments(p):
+    """--host, --port, --dbname, --user (libpq's environment as defaults),
+    for this and nemesis.py's command lines."""
     p.add_argument("--host", default=os.environ.get("PGHOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("PGPORT", "5432")))
     p.add_argument("--dbname", default=os.environ.get("PGDATABASE", "postgres"))
     p.add_argument("--user", default=os.environ.get("PGUSER", "postgres"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description="Torture streampos: concurrent writers and readers, then check every answer and sample.",
+    )
+    add_connection_arguments(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--seconds", type=float, help="run for this long (default 30)")
     g.add_argument("--commits", type=int, help="run until this many transactions committed")

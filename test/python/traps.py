@@ -51,7 +51,7 @@ import re
 
 import psycopg
 
-from support import DBNAME, connect_raw, rows
+from support import DBNAME, connect_raw, ensure_login_role, rows
 
 ENABLED = os.environ.get("STREAMPOS_TRAPS", "1") != "0"
 TRAPPER = "streampos_trapper"
@@ -178,6 +178,8 @@ DECLARE
     caller text;
     q text := current_query();
     i integer := 1;
+    -- pg_regress names its sessions so.
+    regress boolean := current_setting('application_name') LIKE 'pg\\_regress%';
 BEGIN
     GET DIAGNOSTICS stack = PG_CONTEXT;
     lines := string_to_array(stack, E'\\n');
@@ -192,15 +194,14 @@ BEGIN
         -- psql's (whose \\d queries compare with unqualified operators).
         -- In a strict database (the clients' suites: public.trap_strict),
         -- every statement is recorded: a client's statement is top-level.
-        IF caller = '' AND q IS NOT NULL AND (strpos(q, 'pg_catalog.') = 0
-                OR current_setting('application_name') LIKE 'pg\\_regress%')
+        IF caller = '' AND q IS NOT NULL AND (strpos(q, 'pg_catalog.') = 0 OR regress)
                 AND to_regclass('public.trap_strict') IS NULL THEN
             RETURN;
         END IF;
         -- Nor, under pg_regress, the code a test file wrote (its DO blocks
         -- and functions): only a chain with a statement written as the
         -- extension's internal SQL is (qualified names).
-        IF current_setting('application_name') LIKE 'pg\\_regress%' AND strpos(caller, 'pg_catalog.') = 0 THEN
+        IF regress AND strpos(caller, 'pg_catalog.') = 0 THEN
             RETURN;
         END IF;
         PERFORM public.trap_record(label, stack, q);
@@ -335,11 +336,8 @@ def plant(dbname=DBNAME, synapse=False, regress=False, strict=False):
     for streampos's token types need the extension: planted by a later
     call once it is created (a database copied from a planted template gets
     the rest)."""
+    ensure_login_role(TRAPPER, dbname)
     with connect_raw(dbname) as admin:
-        admin.execute(
-            f"DO $$ BEGIN CREATE ROLE {TRAPPER} LOGIN; "
-            f"EXCEPTION WHEN duplicate_object THEN NULL; END $$"
-        )
         admin.execute(f"GRANT CREATE ON SCHEMA public TO {TRAPPER}")
         if rows(admin, "SELECT to_regprocedure('public.trap_fire(text, oid)')")[0][0] is None:
             # Unlogged sequences came with PostgreSQL 15; a logged one is only
@@ -349,9 +347,7 @@ def plant(dbname=DBNAME, synapse=False, regress=False, strict=False):
                 t.execute(MACHINERY.replace("{sequence_persistence}", "UNLOGGED" if unlogged else ""))
         if not rows(admin, "SELECT 1 FROM pg_event_trigger WHERE evtname = 'trap_add_index'"):
             admin.execute(EVENT_TRIGGER.replace("{exempt}", _literal(_exempt_regex())))
-        planted = rows(admin, f"SELECT to_regprocedure('{MARKER}')")[0][0] is not None
-        tokens = rows(admin, "SELECT to_regtype('streampos.room_stream_token')")[0][0] is not None
-        tokens_planted = rows(admin, f"SELECT to_regprocedure('{TOKEN_MARKER}')")[0][0] is not None
+        planted, tokens, tokens_planted = _planted(admin)
     if planted and (tokens_planted or not tokens) and not strict:
         return
     with connect_raw(dbname, user=TRAPPER) as t:
@@ -364,6 +360,16 @@ def plant(dbname=DBNAME, synapse=False, regress=False, strict=False):
         if tokens and not tokens_planted:
             _plant_operators(t, token_types=True, regress=regress)
             t.execute(f"CREATE FUNCTION {TOKEN_MARKER} RETURNS boolean LANGUAGE sql AS 'SELECT true'")
+
+
+def _planted(conn):
+    """Whether the traps are planted, whether the extension's token types
+    exist, and whether their operators' traps are planted."""
+    return tuple(v is not None for v in rows(
+        conn,
+        f"SELECT to_regprocedure('{MARKER}'), to_regtype('streampos.room_stream_token'), "
+        f"to_regprocedure('{TOKEN_MARKER}')",
+    )[0])
 
 
 def _plant_objects(t, skip_views=()):
@@ -563,12 +569,8 @@ def main(argv):
         return 0
     # A fixture that was never planted would pass every check.
     with connect_raw(dbname) as c:
-        planted, tokens, tokens_planted = rows(
-            c,
-            f"SELECT to_regprocedure('{MARKER}'), to_regtype('streampos.room_stream_token'), "
-            f"to_regprocedure('{TOKEN_MARKER}')",
-        )[0]
-    if planted is None or (tokens is not None and tokens_planted is None):
+        planted, tokens, tokens_planted = _planted(c)
+    if not planted or (tokens and not tokens_planted):
         print(f"traps: {dbname} was not (fully) planted")
         return 1
     logged, fired = take_log(dbname)
