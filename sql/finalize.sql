@@ -212,6 +212,9 @@ ALTER TABLE stream_frontiers ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON history_marks
     FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
 ALTER TABLE history_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON prepared_holds
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE prepared_holds ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
 -- Functions with a token argument that defaults to NULL: the default needs
 -- the type complete (src/api/follow.rs, src/api/consumers.rs).

@@ -13,3 +13,21 @@ ALTER TABLE streampos.consumer_positions DROP CONSTRAINT consumer_positions_cons
 -- cannot change it).
 UPDATE pg_catalog.pg_type SET typispreferred = true
 WHERE oid OPERATOR(pg_catalog.=) 'streampos.multi_writer_token'::pg_catalog.regtype;
+
+-- What a prepared transaction may hold rows of (src/prepared.rs): the
+-- lowest ID of every hold given out in the database when it was prepared,
+-- per stream and writer (instance 0: every writer). Its own rows, gone with
+-- its rollback; read after a start with a dirty snapshot; the position
+-- worker forgets them once every snapshot sees them committed. Describes
+-- this server's transactions, so not dumped.
+-- A start that such a transaction outlived holds back only those writers,
+-- from those IDs (0.3.0 held every writer back from the stored frontier).
+CREATE TABLE streampos.prepared_holds (
+    stream_key integer NOT NULL,
+    instance_id integer NOT NULL,
+    min_id bigint NOT NULL
+);
+GRANT SELECT ON streampos.prepared_holds TO PUBLIC;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.prepared_holds
+    FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();
+ALTER TABLE streampos.prepared_holds ENABLE ALWAYS TRIGGER catalog_rows_stay_local;

@@ -77,6 +77,18 @@ CREATE TABLE history_marks (
     PRIMARY KEY (history, stream_name)
 );
 
+-- What a prepared transaction may hold rows of (src/prepared.rs): the
+-- lowest ID of every hold given out in the database when it was prepared,
+-- per stream and writer (instance 0: every writer). Its own rows, gone with
+-- its rollback; read after a start with a dirty snapshot; the position
+-- worker forgets them once every snapshot sees them committed. Describes
+-- this server's transactions, so not dumped.
+CREATE TABLE prepared_holds (
+    stream_key integer NOT NULL,
+    instance_id integer NOT NULL,
+    min_id bigint NOT NULL
+);
+
 SELECT pg_catalog.pg_extension_config_dump('instances', '');
 SELECT pg_catalog.pg_extension_config_dump('instances_instance_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('streams', '');
@@ -88,8 +100,8 @@ SELECT pg_catalog.pg_extension_config_dump('stream_frontiers', '');
 -- Every role may read the catalog. Only the extension's functions write it
 -- (as the extension's owner); see finalize.sql for who may call them.
 GRANT USAGE ON SCHEMA streampos TO PUBLIC;
-GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers, history_marks
-    TO PUBLIC;
+GRANT SELECT ON instances, streams, stream_tables, stream_positions, stream_frontiers, history_marks,
+    prepared_holds TO PUBLIC;
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -1202,6 +1214,9 @@ ALTER TABLE stream_frontiers ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON history_marks
     FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
 ALTER TABLE history_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
+CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON prepared_holds
+    FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
+ALTER TABLE prepared_holds ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
 -- Functions with a token argument that defaults to NULL: the default needs
 -- the type complete (src/api/follow.rs, src/api/consumers.rs).

@@ -13,7 +13,7 @@ use crate::error::{Error, OrRaise};
 use crate::fast_hash::FastMap;
 use crate::registry;
 use crate::registry::history::{self, LostRange, LostRanges};
-use crate::{guc, sequence, sql, worker};
+use crate::{guc, prepared, sequence, sql, worker};
 
 /// Most IDs one call may allocate.
 pub const MAX_IDS_PER_CALL: i32 = 1_000_000;
@@ -39,7 +39,7 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
     sequence::require_exists(meta.seq, &meta.name);
     // IDs are positive: a sequence altered below 1 has handed out none.
     let max = sequence::max_allocated(meta.seq).max(0);
-    let stored: Vec<i32> = sql::stored_positions(&meta.name)
+    let mut stored: Vec<i32> = sql::stored_positions(&meta.name)
         .into_iter()
         .map(|(id, _)| id)
         .collect();
@@ -50,18 +50,31 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
         Some((range, _)) if max <= range.ceiling => range.have.min(max),
         _ => max,
     };
-    let orphaned_from = prepared_floor(meta).filter(|&floor| floor <= highest);
+    let orphaned: Vec<(i32, i64)> = prepared_floors(meta)
+        .into_iter()
+        .filter(|&(_, floor)| floor <= highest)
+        .collect();
+    if !orphaned.is_empty() {
+        // The frontier is held back: a writer ahead of it that the worker
+        // had not stored before the stop (a crash within its interval) was
+        // listed in tokens then, and must be now, or tokens go back. Every
+        // instance that may write the stream is listed (an idle one at the
+        // highest ID, where it stands).
+        let mut others: Vec<i32> = sql::instance_names()
+            .into_iter()
+            .filter(|(id, name)| {
+                !stored.contains(id) && meta.writers.as_ref().is_none_or(|w| w.contains(name))
+            })
+            .map(|(id, _)| id)
+            .collect();
+        others.sort_unstable();
+        stored.extend(others);
+    }
     // False: the state went to another stream meanwhile, which only
     // happens to a dropped stream's state (looking again would take a
     // state for a stream that is gone).
     if !registry::set_loaded(
-        index,
-        meta.key,
-        meta.seq,
-        highest,
-        &stored,
-        &lost,
-        orphaned_from,
+        index, meta.key, meta.seq, highest, &stored, &lost, &orphaned,
     )
     .or_raise()
     {
@@ -77,14 +90,16 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
 /// outlives a start"). Such a transaction, and every snapshot that cannot
 /// see it end, has an xid or xmin below the first xid of this start
 /// (`registry::start_xid`): while the oldest of them (the horizon, which
-/// counts prepared transactions) is below it, every ID above what was
-/// stored as finished (the stored frontier, never ahead of the truth; else
-/// the lowest stored position) is in flight, until the transactions
-/// running then have ended. Decided from what cannot change back: whether
-/// the prepared transaction is still there when the stream is first used
-/// is no answer for a snapshot taken before its COMMIT PREPARED. None:
-/// nothing is in flight after the start.
-fn prepared_floor(meta: &StreamMeta) -> Option<i64> {
+/// counts prepared transactions) is below it, the holds such transactions
+/// recorded when they were prepared (`prepared::read`) are in flight as
+/// orphaned holds of their writers, until the transactions running then
+/// have ended. Decided from what cannot change back: whether the prepared
+/// transaction is still there when the stream is first used is no answer
+/// for a snapshot taken before its COMMIT PREPARED. Each writer is held
+/// from above what was stored as finished for it (its stored position, the
+/// stored frontier: never ahead of the truth), so that nothing stored goes
+/// back. Empty: nothing is in flight after the start.
+fn prepared_floors(meta: &StreamMeta) -> Vec<(i32, i64)> {
     let start = registry::start_xid();
     // SAFETY: reads the next xid and computes the shared horizon; neither
     // raises an error.
@@ -97,22 +112,37 @@ fn prepared_floor(meta: &StreamMeta) -> Option<i64> {
     // The horizon is at most 2^31 xids behind the next one.
     let behind = u64::from((next as u32).wrapping_sub(horizon.into_inner()));
     if start == 0 || next.saturating_sub(behind) >= start {
-        return None;
+        return Vec::new();
     }
     // The horizon also counts a standby's feedback and replication slots.
     if !sql::older_than_start(start as u32) {
-        return None;
+        return Vec::new();
     }
+    let stored = sql::stored_positions(&meta.name);
     let finished = sql::stored_frontier(&meta.name)
-        .or_else(|| {
-            sql::stored_positions(&meta.name)
-                .into_iter()
-                .map(|(_, p)| p)
-                .min()
-        })
+        .or_else(|| stored.iter().map(|&(_, p)| p).min())
         .unwrap_or(0)
         .max(0);
-    Some(finished.saturating_add(1))
+    let every_writer = (registry::ALL_WRITERS, finished.saturating_add(1));
+    let Some((records, complete)) = prepared::read(meta.key, start as u32) else {
+        // A catalog from before 0.4.0 has no records: every writer.
+        return vec![every_writer];
+    };
+    // A transaction prepared before the records existed recorded nothing.
+    let unrecorded = (!complete).then_some(every_writer);
+    records
+        .into_iter()
+        .map(|(writer, min_id)| {
+            let own = stored
+                .iter()
+                .filter(|&&(w, _)| w == writer && writer != registry::ALL_WRITERS)
+                .map(|&(_, p)| p)
+                .max()
+                .unwrap_or(finished);
+            (writer, min_id.max(own.max(finished).saturating_add(1)))
+        })
+        .chain(unrecorded)
+        .collect()
 }
 
 /// The stream's lost ranges (registry/history.rs): the marks of every

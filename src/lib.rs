@@ -13,6 +13,7 @@
 //! | `api/` | the SQL functions of streams, writing, reading, followers, checks |
 //! | `types.rs` | the token types (varlena I/O, operators' functions) |
 //! | `catalog.rs` | the stream catalog with a per-backend cache |
+//! | `prepared.rs` | what a prepared transaction may commit rows for, recorded at PREPARE, read after a start |
 //! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
 //! | `sql.rs` | every internal SQL statement (the one SPI boundary), and the switch to another role |
 //! | `session.rs` | an object access hook: another role's code may not take advisory locks in the caller's session |
@@ -32,6 +33,7 @@ mod fast_hash;
 mod ffi;
 mod guc;
 mod held_back;
+mod prepared;
 mod registry;
 mod sequence;
 mod session;

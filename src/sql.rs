@@ -963,6 +963,23 @@ pub fn older_than_start(start: u32) -> bool {
     .unwrap_or(true)
 }
 
+/// Whether a transaction of this database was prepared before
+/// `streampos.prepared_holds` (OID `records`) was created: by a library
+/// before 0.4.0, or before `ALTER EXTENSION streampos UPDATE`, so it
+/// recorded nothing of the holds it may hold rows of.
+pub fn prepared_before_records(records: pg_sys::Oid) -> bool {
+    as_role(extension_owner(), || {
+        select_one::<bool>(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts p, pg_catalog.pg_class c \
+                 WHERE c.oid OPERATOR(pg_catalog.=) $1 \
+                   AND p.database OPERATOR(pg_catalog.=) pg_catalog.current_database() \
+                   AND pg_catalog.age(p.transaction) OPERATOR(pg_catalog.>) pg_catalog.age(c.xmin))",
+            &[records.into()],
+        )
+    })
+    .unwrap_or(true)
+}
+
 /// The highest stored position or frontier at or below `at_most`
 /// (internal numbering).
 pub fn max_stored_at_most(stream: &str, at_most: i64) -> Option<i64> {
@@ -981,13 +998,63 @@ pub fn max_stored_at_most(stream: &str, at_most: i64) -> Option<i64> {
 /// Does the extension's table `name` exist? (A database not yet updated
 /// from 0.2.0 lacks the tables 0.3.0 added.)
 fn catalog_table_exists(name: &CStr) -> bool {
+    catalog_table(name).is_some()
+}
+
+/// The extension's table `name`, if it exists (a database not yet updated
+/// lacks the tables later versions added).
+pub fn catalog_table(name: &CStr) -> Option<pg_sys::Oid> {
     // SAFETY: catalog lookups that return InvalidOid for what does not
     // exist; they raise no error.
-    unsafe {
+    let relid = unsafe {
         let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
-        nsp != pg_sys::InvalidOid
-            && pg_sys::get_relname_relid(name.as_ptr(), nsp) != pg_sys::InvalidOid
+        if nsp == pg_sys::InvalidOid {
+            return None;
+        }
+        pg_sys::get_relname_relid(name.as_ptr(), nsp)
+    };
+    (relid != pg_sys::InvalidOid).then_some(relid)
+}
+
+/// In the transaction being prepared: what it may hold rows of, (stream
+/// key, writer, lowest ID) (`prepared::record`), as the extension's owner.
+/// Nothing in a catalog not yet updated to 0.4.0.
+pub fn record_prepared_holds(holds: &[(i32, i32, i64)]) {
+    if holds.is_empty() || !catalog_table_exists(c"prepared_holds") {
+        return;
     }
+    let keys: Vec<i32> = holds.iter().map(|h| h.0).collect();
+    let writers: Vec<i32> = holds.iter().map(|h| h.1).collect();
+    let ids: Vec<i64> = holds.iter().map(|h| h.2).collect();
+    as_owner(|| {
+        run(
+            "INSERT INTO streampos.prepared_holds (stream_key, instance_id, min_id) \
+             SELECT u.k, u.w, u.m \
+             FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int4[]), \
+                             pg_catalog.unnest($2::pg_catalog.int4[]), \
+                             pg_catalog.unnest($3::pg_catalog.int8[])) AS u(k, w, m)",
+            &[keys.into(), writers.into(), ids.into()],
+        )
+    });
+}
+
+/// Forget the records of prepared transactions that committed before the
+/// shared horizon `horizon`: every snapshot sees their rows (a snapshot
+/// from before a COMMIT PREPARED holds the horizon at or below its xid, and
+/// keeps its records). Run by the position worker, as the extension's
+/// owner. The rows of transactions still prepared are not visible to it.
+pub fn forget_prepared_holds(horizon: pg_sys::TransactionId) {
+    if !catalog_table_exists(c"prepared_holds") {
+        return;
+    }
+    as_owner(|| {
+        run(
+            "DELETE FROM streampos.prepared_holds h \
+             WHERE pg_catalog.age(h.xmin) OPERATOR(pg_catalog.>) \
+                   pg_catalog.age($1::pg_catalog.text::pg_catalog.xid)",
+            &[horizon.into_inner().to_string().into()],
+        )
+    });
 }
 
 /// The stream's marks, of every history: (history, have, ceiling). None in

@@ -196,6 +196,9 @@ struct WorkerState {
     /// The last time anything happened (a generation moved, a store, a
     /// pass that could not take its locks).
     last_activity: Instant,
+    /// When the records of committed prepared transactions were last
+    /// forgotten (None: not yet since the worker started).
+    prepared_forgotten: Option<Instant>,
 }
 
 impl WorkerState {
@@ -208,6 +211,7 @@ impl WorkerState {
             held_back: held_back::Warned::default(),
             generations: Vec::new(),
             last_activity: Instant::now(),
+            prepared_forgotten: None,
         }
     }
 }
@@ -330,6 +334,28 @@ fn release_orphans(db: pg_sys::Oid, orphans: &mut Orphans) {
     }
 }
 
+/// How often the worker forgets the holds recorded by prepared
+/// transactions that have committed since (`sql::forget_prepared_holds`).
+const FORGET_PREPARED_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// At the worker's first pass and then every `FORGET_PREPARED_EVERY`: the
+/// records every snapshot sees committed go (src/prepared.rs).
+fn forget_prepared_holds(state: &mut WorkerState) {
+    if state
+        .prepared_forgotten
+        .is_some_and(|at| at.elapsed() < FORGET_PREPARED_EVERY)
+    {
+        return;
+    }
+    state.prepared_forgotten = Some(Instant::now());
+    // SAFETY: computes the shared horizon; raises no error.
+    let horizon = unsafe { pg_sys::GetOldestNonRemovableTransactionId(std::ptr::null_mut()) };
+    in_subtransaction(
+        "forgetting the holds of committed prepared transactions",
+        || sql::forget_prepared_holds(horizon),
+    );
+}
+
 /// One pass. First the locks every store of the pass needs, each only if
 /// granted at once (else the pass is put off to the next interval, see
 /// docs/design.md); then store the positions of streams whose positions
@@ -345,6 +371,7 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
         return Pass::Done { quiet: false };
     };
     release_orphans(db, &mut state.orphans);
+    forget_prepared_holds(state);
     let loaded = registry::streams_of(db);
     let mut quiet = true;
     let streams = if loaded.is_empty() {

@@ -4,7 +4,7 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::XactEvent;
 
 use crate::error::Error;
-use crate::{catalog, engine, registry};
+use crate::{catalog, engine, prepared, registry};
 
 pub fn register_callbacks() {
     // SAFETY: registered once per process from _PG_init.
@@ -44,7 +44,10 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
         XactEvent::XACT_EVENT_PRE_PREPARE if catalog::changed_in_this_transaction() => {
             Error::PrepareCatalog.report()
         }
-        XactEvent::XACT_EVENT_PRE_PREPARE => engine::release_answers(),
+        XactEvent::XACT_EVENT_PRE_PREPARE => {
+            engine::release_answers();
+            prepared::record();
+        }
         _ => {}
     }
 }

@@ -1081,6 +1081,48 @@ pub struct InFlight {
     pub since: pg_sys::TimestampTz,
 }
 
+/// What a transaction being prepared may hold rows of: every hold given
+/// out in database `db` (by any session; a transaction that holds cannot
+/// be prepared) and its streams' orphaned holds, as (stream key, writer or
+/// `ALL_WRITERS`, lowest ID), one per writer. Recorded with the prepared
+/// transaction, since holds do not outlive a start and it does
+/// (docs/design.md, "What outlives a start").
+pub fn holds_for_prepare(db: pg_sys::Oid) -> Result<Vec<(i32, i32, i64)>, Error> {
+    let locked = Locked::acquire(Section::OtherShared)?;
+    let streams = locked.streams();
+    let mut lowest: Vec<(i32, i32, i64)> = Vec::new();
+    let mut fold = |key: i32, writer: i32, min_id: i64| match lowest
+        .iter_mut()
+        .find(|l| l.0 == key && l.1 == writer)
+    {
+        Some(l) => l.2 = l.2.min(min_id),
+        None => lowest.push((key, writer, min_id)),
+    };
+    for &slot_index in locked.active_slots() {
+        for a in locked.holds_in_use(slot_index as usize) {
+            let s = &streams[a.stream as usize];
+            if s.in_use && s.db == db {
+                // A hold under a name a savepoint took back holds every
+                // writer (as when it is orphaned).
+                fold(
+                    s.key,
+                    if a.ghost { ALL_WRITERS } else { a.instance },
+                    a.min_id,
+                );
+            }
+        }
+    }
+    for s in streams
+        .iter()
+        .filter(|s| s.in_use && s.db == db && s.orphans.valid)
+    {
+        for (writer, min_id, _) in s.orphans.parts() {
+            fold(s.key, writer, min_id);
+        }
+    }
+    Ok(lowest)
+}
+
 /// Every allocation of a transaction that has not ended, every hold, and
 /// every stream's orphaned holds, in any database.
 pub fn in_flight() -> Result<Vec<InFlight>, Error> {

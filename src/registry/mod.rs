@@ -35,12 +35,12 @@ mod workers;
 
 pub use alloc::{
     begin_allocation, end_subtransaction, end_transaction, finish_allocation, flush_before_commit,
-    holding, in_flight, mark_ghosts, orphans_of, release_hold, release_orphans, remember_writers,
-    rename_entries, InFlight, Request,
+    holding, holds_for_prepare, in_flight, mark_ghosts, orphans_of, release_hold, release_orphans,
+    remember_writers, rename_entries, InFlight, Request,
 };
 pub use shmem::{
     catalog_sync, is_loaded, note_start_xid, request_shared_memory, require_loaded, start_xid,
-    RECENT_CATALOG_CHANGES,
+    ALL_WRITERS, RECENT_CATALOG_CHANGES,
 };
 pub use streams::{
     forget_all_indexes, forget_index, generation, highest_allocated, mark_dropped_at_commit,

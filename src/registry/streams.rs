@@ -5,7 +5,7 @@
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
-use super::shmem::{Locked, Section, StreamState, ALL_WRITERS, HEADER};
+use super::shmem::{Locked, Section, StreamState, HEADER};
 use crate::error::Error;
 
 thread_local! {
@@ -211,10 +211,10 @@ fn reclaim_dropped(locked: &Locked, horizon: TransactionId) -> Option<usize> {
 /// the state given to another stream while the sequence was read): the
 /// value read belongs to another sequence, and the stream is gone.
 /// `lost`: the stream's lost ranges (see `Lost`).
-/// `orphaned_from`: the lowest ID that a transaction which outlived the
-/// start (a prepared one) may still commit a row for: from it up, every
-/// writer is held as by orphaned holds, until the position worker has
-/// seen every transaction running now end (see `Orphans`).
+/// `orphaned`: (writer or `ALL_WRITERS`, lowest ID) that a transaction
+/// which outlived the start (a prepared one) may still commit a row for:
+/// from it up, the writer is held as by orphaned holds, until the position
+/// worker has seen every transaction running now end (see `Orphans`).
 pub fn set_loaded(
     index: usize,
     key: i32,
@@ -222,7 +222,7 @@ pub fn set_loaded(
     max_allocated: i64,
     stored_writers: &[i32],
     lost: &super::history::LostRanges,
-    orphaned_from: Option<i64>,
+    orphaned: &[(i32, i64)],
 ) -> Result<bool, Error> {
     let locked = Locked::acquire(Section::OtherExclusive)?;
     let s = &mut locked.streams()[index];
@@ -233,9 +233,11 @@ pub fn set_loaded(
         s.loaded = true;
         s.max_allocated = max_allocated;
         lost.store(&mut s.lost);
-        if let Some(min_id) = orphaned_from {
+        for &(writer, min_id) in orphaned {
             // Durable already: the start replayed everything before it.
-            s.orphans.fold(ALL_WRITERS, min_id, 0);
+            s.orphans.fold(writer, min_id, 0);
+        }
+        if !orphaned.is_empty() {
             s.generation += 1;
         }
         // Stored positions are written for the writers a token lists, at

@@ -12,7 +12,6 @@ replay it with ``python3 test/python/nemesis.py --seed N`` (docs/torture.md).
 
 import pytest
 
-import torture
 from cluster import DBNAME, USER, Clusters
 from nemesis import KNOWN_FINDINGS, Nemesis
 
@@ -26,7 +25,9 @@ PHASE_SECONDS = 2.0
 # whether the standby sends hot_standby_feedback, the finding).
 FINDINGS = [
     (2, 6, False, "a prepared transaction outlived a clean restart: every writer's position and token "
-                  "entry fell back to the stored frontier"),
+                  "entry fell back to the stored frontier (fixed in 0.4.0: streampos.prepared_holds)"),
+    (7, 5, True, "a clean restart of a primary whose standby sends hot_standby_feedback sent every "
+                 "writer's position back (fixed in 0.4.0: sql::older_than_start)"),
 ]
 
 
@@ -54,28 +55,15 @@ def nemesis(pair, seed, feedback=False, **kwargs):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_nemesis(clusters, seed):
     """Nothing the model checks is broken (a ContractViolation names the
-    seed, the step and what was found otherwise). The steps of the known
-    findings below are left out, and the standby sends no feedback."""
+    seed, the step and what was found otherwise); every step, the prepared
+    transactions across a start among them. The standby sends no
+    feedback."""
     out = nemesis(make_pair(clusters, False), seed, exclude=KNOWN_FINDINGS).run(steps=STEPS)
     print(out)
     assert out["steps"] >= STEPS
 
 
-def test_nemesis_with_a_standby_sending_feedback(clusters):
-    """Seed 7 found it in 5 steps: a clean restart of a primary whose
-    standby sends hot_standby_feedback (no prepared transaction) sent every
-    writer's position and token entry back to the stored frontier, for the
-    feedback held the shared horizon below the start. The rule now asks
-    for a prepared transaction or a session's snapshot older than the start
-    (docs/design.md, "What outlives a start")."""
-    nemesis(make_pair(clusters, True), 7, feedback=True, exclude=KNOWN_FINDINGS).run(steps=5)
-
-
-@pytest.mark.xfail(strict=False, raises=torture.ContractViolation,
-                   reason="a start with a prepared transaction sends positions back "
-                          "(docs/torture.md, Nemesis)")
 @pytest.mark.parametrize("seed,steps,feedback,finding", FINDINGS, ids=[str(f[0]) for f in FINDINGS])
 def test_nemesis_finding(clusters, seed, steps, feedback, finding):
-    # Timing decides whether a writer was ahead when the server stopped:
-    # an XPASS is possible.
+    """A seed that found a defect, replayed: it must find nothing now."""
     nemesis(make_pair(clusters, feedback), seed, feedback=feedback).run(steps=steps)

@@ -4,6 +4,7 @@ reproduction kept as a test. The escalation through the caller's settings
 attacks; the trap fixture (traps.py) checks its whole class in every test.
 """
 
+import os
 import time
 
 import psycopg
@@ -130,6 +131,194 @@ def test_a_start_without_prepared_transactions_holds_nothing(connect, db, stream
     with support.connect_raw() as c:
         seq_value = one(c, "SELECT streampos.max_allocated(%s)", (stream,))
         assert frontier(c, stream) == seq_value
+
+
+def positions(conn, stream, writers):
+    """(frontier, current token, each writer's position)."""
+    return (
+        frontier(conn, stream),
+        one(conn, "SELECT streampos.current_token(%s)::text", (stream,)),
+        [one(conn, "SELECT streampos.writer_position(%s, %s)", (stream, w)) for w in writers],
+    )
+
+
+@pytest.mark.restarts_server
+@pytest.mark.parametrize("stop", ["immediate", "fast"])
+def test_positions_do_not_go_back_after_a_start_a_prepared_transaction_outlived(connect, db, stream, stop):
+    """Nemesis finding 1. A session holds ID 1 for writer p, a prepared
+    transaction holds its row, writer w commits 2 and 3; the server stops
+    and starts. 0.3.0's fix of finding 1 held every writer back from the
+    stored frontier: the token went from m0~1.3 (w at 3) to 0, and after a
+    crash with the worker's store behind, the frontier fell too. Now the
+    prepared transaction recorded which holds were given out when it was
+    prepared (streampos.prepared_holds): only p is held, from its ID; w
+    keeps its position, nothing goes back, and row 1 is still not passed."""
+    needs_prepared_transactions(db)
+    db.execute("ALTER SYSTEM SET streampos.position_interval_ms = 60000")
+    db.execute("SELECT pg_reload_conf()")
+    gid = None
+    try:
+        table, held, gid = prepared_row_of_a_hold(connect, db, stream, rows_after=2)
+        before = positions(db, stream, ["w", "p"])
+        assert before[0] == held - 1 and before[2][0] == held + 2, before
+        support.flush_wal(db)
+        support.restart_server(stop)
+        with support.connect_raw() as c:
+            after = positions(c, stream, ["w", "p"])
+            # A crash may move positions forward (the sequence logs 32
+            # values ahead), never back.
+            went_back = (
+                after[0] < before[0]
+                or not one(c, "SELECT streampos.is_before_or_eq(%s::streampos.multi_writer_token, %s::streampos.multi_writer_token)", (before[1], after[1]))
+                or any(a < b for a, b in zip(after[2], before[2]))
+            )
+            assert not went_back, f"positions went back across the start: {before} -> {after}"
+            if stop == "fast":
+                assert (after[0], after[2]) == (before[0], before[2])
+            assert after[0] < held
+            c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
+            c.execute("SELECT pg_reload_conf()")
+            c.execute(f"COMMIT PREPARED '{gid}'")
+            gid = None
+            wait_until(lambda: frontier(c, stream) >= held + 2, timeout=10, message="the release after the commit")
+            assert one(c, f"SELECT count(*) FROM {table} WHERE id <= %s", (held + 2,)) == 3
+    finally:
+        with support.connect_raw() as c:
+            if gid is not None:
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+            c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
+            c.execute("SELECT pg_reload_conf()")
+
+
+@pytest.mark.restarts_server
+@pytest.mark.parametrize("stop", ["immediate", "fast"])
+def test_a_prepared_transaction_without_holds_holds_nothing_back_after_a_start(connect, db, stream, stop):
+    """Nemesis finding 1, its first case: any prepared transaction (this one
+    touches no stream, and no hold was given out when it was prepared) made
+    every writer fall back to the stored frontier at the next start. It
+    recorded no hold, so nothing is held back."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    db.execute("ALTER SYSTEM SET streampos.position_interval_ms = 60000")
+    db.execute("SELECT pg_reload_conf()")
+    other = connect()
+    gid = f"{stream}_unrelated"
+    try:
+        other.execute("BEGIN")
+        other.execute(f"CREATE TABLE {stream}_other (x int)")
+        other.execute(f"PREPARE TRANSACTION '{gid}'")
+        commit_ids(db, stream, "w", 3)
+        before = positions(db, stream, ["w"])
+        support.flush_wal(db)
+        support.restart_server(stop)
+        with support.connect_raw() as c:
+            after = positions(c, stream, ["w"])
+            assert after[0] >= before[0] and after[2][0] >= before[2][0], (before, after)
+            if stop == "fast":
+                assert after == before
+            assert one(
+                c,
+                "SELECT count(*) FROM streampos.prepared_holds h JOIN streampos.streams s USING (stream_key) "
+                "WHERE s.stream_name = %s",
+                (stream,),
+            ) == 0
+    finally:
+        with support.connect_raw() as c:
+            if one(c, "SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s", (gid,)):
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+            c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
+            c.execute("SELECT pg_reload_conf()")
+
+
+@pytest.mark.restarts_server
+def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(connect, db, stream):
+    """A transaction prepared by a library before 0.4.0, or before ALTER
+    EXTENSION UPDATE made streampos.prepared_holds, recorded nothing of the
+    holds it may hold rows of: after a start, every writer is held from
+    the stored frontier, as 0.3.0 did (rather than passing its row)."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    upgrade = open(os.path.join(os.path.dirname(__file__), "..", "..", "sql", "streampos--0.3.0--0.4.0.sql")).read()
+    made = upgrade[upgrade.index("CREATE TABLE streampos.prepared_holds"):]
+    db.execute("ALTER EXTENSION streampos DROP TABLE streampos.prepared_holds")
+    db.execute("DROP TABLE streampos.prepared_holds")
+    holder = connect()
+    [held] = hold(holder, stream, "p")
+    writer = connect()
+    gid = f"{stream}_old"
+    writer.execute("BEGIN")
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    try:
+        db.execute(made)
+        db.execute("ALTER EXTENSION streampos ADD TABLE streampos.prepared_holds")
+        commit_rows(db, stream, table, 2)
+        support.flush_wal(db)
+        holder.close()
+        support.restart_server("fast")
+        with support.connect_raw() as c:
+            assert frontier(c, stream) < held, "the row of a transaction prepared before the records was passed"
+            c.execute(f"COMMIT PREPARED '{gid}'")
+            gid = None
+            wait_until(lambda: frontier(c, stream) >= held + 2, timeout=10, message="the release after the commit")
+    finally:
+        if gid is not None:
+            with support.connect_raw() as c:
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+def test_prepared_holds_are_recorded_with_the_transaction_and_forgotten_after_it(connect, db, stream):
+    """What a PREPARE records: the lowest held ID per writer of every hold
+    given out then (its own uncommitted rows: invisible until COMMIT
+    PREPARED, gone with ROLLBACK PREPARED); the position worker forgets
+    committed records once every snapshot sees them."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    holder = connect()
+    ids_p = hold(holder, stream, "p", 3)
+    [id_q] = hold(holder, stream, "q")
+    key = one(db, "SELECT stream_key FROM streampos.streams WHERE stream_name = %s", (stream,))
+    w = connect()
+    # A snapshot from before the COMMIT PREPARED keeps the records.
+    old_snapshot = connect()
+    old_snapshot.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    one(old_snapshot, "SELECT 1")
+    for gid, end in ((f"{stream}_a", "ROLLBACK"), (f"{stream}_b", "COMMIT")):
+        w.execute("BEGIN")
+        one(w, "SELECT pg_current_xact_id()")
+        w.execute(f"PREPARE TRANSACTION '{gid}'")
+        assert one(db, "SELECT count(*) FROM streampos.prepared_holds WHERE stream_key = %s", (key,)) == 0
+        db.execute(f"{end} PREPARED '{gid}'")
+    recorded = rows(
+        db,
+        "SELECT i.instance_name, h.min_id FROM streampos.prepared_holds h "
+        "JOIN streampos.instances i USING (instance_id) WHERE h.stream_key = %s ORDER BY 1",
+        (key,),
+    )
+    assert recorded == [("p", min(ids_p)), ("q", id_q)]
+    time.sleep(11)
+    assert one(db, "SELECT count(*) FROM streampos.prepared_holds WHERE stream_key = %s", (key,)) == 2
+    old_snapshot.execute("COMMIT")
+    wait_until(
+        lambda: one(db, "SELECT count(*) FROM streampos.prepared_holds WHERE stream_key = %s", (key,)) == 0,
+        timeout=30,
+        message="the worker to forget the committed records",
+    )
+    # A read-only transaction wrote no row: it records nothing (and its
+    # PREPARE works).
+    w.execute("BEGIN READ ONLY")
+    w.execute(f"PREPARE TRANSACTION '{stream}_ro'")
+    db.execute(f"COMMIT PREPARED '{stream}_ro'")
+    assert one(db, "SELECT count(*) FROM streampos.prepared_holds WHERE stream_key = %s", (key,)) == 0
+    # Without holds given out, nothing is recorded.
+    for ids in (ids_p, [id_q]):
+        holder.execute("SELECT streampos.release_ids(%s, %s)", (stream, ids))
+    w.execute("BEGIN")
+    w.execute(f"PREPARE TRANSACTION '{stream}_c'")
+    db.execute(f"COMMIT PREPARED '{stream}_c'")
+    assert one(db, "SELECT count(*) FROM streampos.prepared_holds WHERE stream_key = %s", (key,)) == 0
 
 
 # ------------------------------------------- finding 3: an ID column's type

@@ -1,0 +1,102 @@
+//! What a prepared transaction may still commit rows for, across a start.
+//!
+//! Holds are a session's and end with the server; a prepared transaction
+//! outlives every start (crash, clean restart, promotion, recovery to a
+//! point in time) and may hold the row of an ID a hold gave out. At
+//! `PREPARE TRANSACTION` the transaction records, in
+//! `streampos.prepared_holds`, the lowest ID of every hold then given out in
+//! its database, per stream and writer (`record`): the rows are its own, so
+//! they are WAL-logged with it, replicate, and are gone with its rollback.
+//! At a stream's first use after a start that such a transaction outlived,
+//! they are read with a dirty snapshot (`read`): uncommitted rows of
+//! transactions still prepared, and committed rows a snapshot from before
+//! their COMMIT PREPARED may still need. The position worker forgets rows
+//! once every snapshot sees them committed (`sql::forget_prepared_holds`).
+//! docs/design.md, "What outlives a start".
+
+use pgrx::pg_sys;
+
+use crate::{registry, sql};
+
+/// At `XACT_EVENT_PRE_PREPARE`: record what this transaction may hold rows
+/// of. (Whether it wrote any row cannot be told here: PREPARE has given
+/// it an xid, and a row of an unlogged table writes no WAL.)
+pub fn record() {
+    // SAFETY: reads a backend-local flag.
+    let read_only = unsafe { pg_sys::XactReadOnly };
+    // A read-only transaction wrote no row (and may not insert records).
+    if read_only || !registry::is_loaded() {
+        return;
+    }
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    let Ok(holds) = registry::holds_for_prepare(db) else {
+        return;
+    };
+    if holds.is_empty() {
+        return;
+    }
+    // The statements of the transaction have ended: the INSERT needs a
+    // snapshot of its own (an ERROR pops it with the transaction).
+    // SAFETY: pushes and pops a snapshot of this still running transaction.
+    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
+    sql::record_prepared_holds(&holds);
+    // SAFETY: the snapshot pushed above is the active one again.
+    unsafe { pg_sys::PopActiveSnapshot() };
+}
+
+/// The records of stream `key` written by transactions that began before
+/// xid `start` (its low 32 bits) and did not abort: (writer or
+/// `ALL_WRITERS`, lowest ID), and whether they are complete (false: a
+/// transaction still prepared began before the table existed, and
+/// recorded nothing). None when the catalog has no `prepared_holds` (not
+/// yet updated to 0.4.0).
+pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
+    let relid = sql::catalog_table(c"prepared_holds")?;
+    let complete = !sql::prepared_before_records(relid);
+    let mut records = Vec::new();
+    // SAFETY: a sequential heap scan of the extension's own table, opened
+    // and closed here under AccessShareLock; tuples are read while the scan
+    // holds their page, and every column is NOT NULL and passed by value.
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(relid, lock);
+        // A dirty snapshot sees rows of transactions in progress (a
+        // prepared one is) and committed rows not deleted.
+        let mut dirty: pg_sys::SnapshotData = std::mem::zeroed();
+        dirty.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        let scan = pg_sys::heap_beginscan(
+            rel,
+            &mut dirty,
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            pg_sys::ScanOptions::SO_TYPE_SEQSCAN,
+        );
+        loop {
+            let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
+            if tuple.is_null() {
+                break;
+            }
+            let xmin = pg_sys::HeapTupleHeaderGetXmin((*tuple).t_data);
+            if !pg_sys::TransactionIdPrecedes(xmin, pg_sys::TransactionId::from_inner(start)) {
+                continue;
+            }
+            let mut values = [pg_sys::Datum::from(0); 3];
+            let mut nulls = [true; 3];
+            pg_sys::heap_deform_tuple(
+                tuple,
+                (*rel).rd_att,
+                values.as_mut_ptr(),
+                nulls.as_mut_ptr(),
+            );
+            if nulls.iter().any(|&n| n) || values[0].value() as i32 != key {
+                continue;
+            }
+            records.push((values[1].value() as i32, values[2].value() as i64));
+        }
+        pg_sys::heap_endscan(scan);
+        pg_sys::table_close(rel, lock);
+    }
+    Some((records, complete))
+}
