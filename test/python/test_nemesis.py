@@ -15,9 +15,10 @@ import pytest
 from cluster import DBNAME, USER, Clusters
 from nemesis import KNOWN_FINDINGS, Nemesis
 
-# Fixed seeds; between them a crash, clean restarts, a promotion,
-# drop_stream/create_stream and every step taken during the load.
-SEEDS = (7, 23, 36)
+# Fixed seeds; between them crashes, clean restarts, a promotion,
+# drop_stream/create_stream, each prepared transaction across a start and
+# every step taken during the load (the schedule a seed draws is fixed).
+SEEDS = (4, 5, 6, 14)
 STEPS = 10
 PHASE_SECONDS = 2.0
 
