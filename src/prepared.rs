@@ -78,7 +78,15 @@ pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
             if tuple.is_null() {
                 break;
             }
-            let xmin = pg_sys::HeapTupleHeaderGetXmin((*tuple).t_data);
+            // HeapTupleHeaderGetXmin (a frozen row's xmin is FROZEN), by
+            // hand: pgrx's helper and PostgreSQL 18's binding clash.
+            let header = (*tuple).t_data;
+            let frozen = (pg_sys::HEAP_XMIN_COMMITTED | pg_sys::HEAP_XMIN_INVALID) as u16;
+            let xmin = if (*header).t_infomask & frozen == frozen {
+                pg_sys::TransactionId::FROZEN
+            } else {
+                (*header).t_choice.t_heap.t_xmin
+            };
             if !pg_sys::TransactionIdPrecedes(xmin, pg_sys::TransactionId::from_inner(start)) {
                 continue;
             }
