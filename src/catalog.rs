@@ -108,7 +108,7 @@ thread_local! {
 /// The generation at which `snapshot` (None: a new latest snapshot) may use
 /// the cache, or None when it may not (see the module comment).
 fn cache_generation(snapshot: Option<pg_sys::Snapshot>) -> Option<u64> {
-    if CHANGED_BY.get() != 0 || crate::engine::in_recovery() {
+    if CHANGED_BY.get() != 0 || crate::backend::in_recovery() {
         return None;
     }
     let state = registry::catalog_sync()?.read();

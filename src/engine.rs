@@ -8,6 +8,7 @@ use std::rc::Rc;
 use pgrx::pg_sys;
 use streampos_core::frontier::Positions;
 
+pub use crate::backend::in_recovery;
 use crate::catalog::{self, StreamMeta};
 use crate::error::{Error, OrRaise};
 use crate::fast_hash::FastMap;
@@ -17,11 +18,6 @@ use crate::{guc, prepared, sequence, sql, worker};
 
 /// Most IDs one call may allocate.
 pub const MAX_IDS_PER_CALL: i32 = 1_000_000;
-
-pub fn in_recovery() -> bool {
-    // SAFETY: reads shared recovery state; raises no error.
-    unsafe { crate::ffi::unguarded::RecoveryInProgress() }
-}
 
 /// The registry slot of a stream, loading its maximum allocated ID from the
 /// sequence the first time after start-up. Never during recovery: a

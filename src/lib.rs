@@ -15,8 +15,10 @@
 //! | `catalog.rs` | the stream catalog with a per-backend cache |
 //! | `prepared.rs` | what a prepared transaction may commit rows for, recorded at PREPARE, read after a start |
 //! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
-//! | `sql.rs` | every internal SQL statement (the one SPI boundary), and the switch to another role |
-//! | `session.rs` | an object access hook: another role's code may not take advisory locks in the caller's session |
+//! | `sql/` | every internal SQL statement (the one SPI boundary), and the switch to another role (see its `mod.rs`) |
+//! | `roles.rs` | whether a role has another's privileges, a role's name for messages |
+//! | `session.rs` | an object access hook: another role's code may not take advisory locks or holds in the caller's session |
+//! | `backend.rs` | whether the server is in recovery, this backend's PGPROC number (the lowest layer) |
 //! | `ffi.rs` | C functions declared by hand |
 //! | `fast_hash.rs` | the hasher of the per-backend caches |
 //! | `guc.rs`, `error.rs` | settings; every user-facing error with its SQLSTATE |
@@ -26,6 +28,7 @@
 use pgrx::prelude::*;
 
 mod api;
+mod backend;
 mod catalog;
 mod engine;
 mod error;
@@ -35,6 +38,7 @@ mod guc;
 mod held_back;
 mod prepared;
 mod registry;
+mod roles;
 mod sequence;
 mod session;
 mod sql;

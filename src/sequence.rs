@@ -408,5 +408,10 @@ impl Settings {
 
 /// The sequence's settings, or None when `seq` is not a sequence.
 pub fn settings(seq: pg_sys::Oid) -> Option<Settings> {
-    sql::sequence_settings(seq)
+    sql::sequence_settings(seq).map(|(increment, cache, min, cycle)| Settings {
+        increment,
+        cache,
+        min,
+        cycle,
+    })
 }

@@ -79,7 +79,7 @@ impl OwnerCode {
     /// has the caller's privileges (its own code, or a member's: it could
     /// change the caller's session anyway).
     pub fn enter(role: pg_sys::Oid, caller: pg_sys::Oid) -> OwnerCode {
-        let watched = !crate::sql::role_acts_as(role, caller);
+        let watched = !crate::roles::role_acts_as(role, caller);
         if watched {
             DEPTH.with(|d| d.set(d.get() + 1));
         }
@@ -149,7 +149,7 @@ fn refuse_session_function(function: pg_sys::Oid) {
     if refused {
         Error::SessionFunction {
             function: name,
-            role: crate::sql::role_display_name(
+            role: crate::roles::role_display_name(
                 // SAFETY: reads the current user id.
                 unsafe { pg_sys::GetUserId() },
             ),

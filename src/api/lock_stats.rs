@@ -20,7 +20,7 @@ fn lock_stats() -> TableIterator<
         name!(slots_visited, i64),
     ),
 > {
-    let rows: Vec<_> = crate::registry::lock_stats::totals()
+    let rows: Vec<_> = crate::registry::lock_totals()
         .into_iter()
         .map(|t| {
             (

@@ -8,10 +8,9 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
 use super::shmem::{
-    self, Active, Finished, Locked, Section, StreamState, ALL_WRITERS, FREE_ACTIVE, HEADER,
-    NAME_BYTES, ORPHAN_WRITERS, SEEN_WRITERS,
+    self, matches, Active, Finished, Locked, Section, Stale, StreamState, ALL_WRITERS, FREE_ACTIVE,
+    HEADER, NAME_BYTES, ORPHAN_WRITERS, SEEN_WRITERS,
 };
-use super::streams::{matches, Stale};
 use super::visibility::{durable_lsn, fold_into_summary, latest_completed, wait_until_durable};
 use crate::error::Error;
 use crate::ffi::unguarded;

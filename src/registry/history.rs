@@ -22,8 +22,7 @@ use std::io::Write;
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, Lost, Section, HEADER, LOST_RANGES};
-use super::streams::{matches, Stale};
+use super::shmem::{matches, Locked, Lost, Section, Stale, HEADER, LOST_RANGES};
 use crate::error::Error;
 
 const FILE: &str = "streampos.history";

@@ -19,7 +19,16 @@ use std::time::Instant;
 
 use pgrx::pg_sys;
 
-use super::shmem::{Header, Section, HEADER};
+use super::section::Section;
+
+/// Where the statistics are: the registry's base address, their offset in
+/// it, and the number of backend slots (the registry passes it down).
+#[derive(Clone, Copy)]
+pub(super) struct Area {
+    pub base: *mut u8,
+    pub offset: usize,
+    pub n_slots: usize,
+}
 
 /// acquisitions, wait ns, hold ns, fallbacks, slots visited
 const FIELDS: usize = 5;
@@ -65,13 +74,12 @@ pub(super) fn now() -> Instant {
 /// The counters of slot `slot` (the extra one is `n_slots`).
 ///
 /// # Safety
-/// `header` is the initialised registry, laid out with the statistics at
-/// `offset`; `slot <= n_slots`.
-unsafe fn counters(header: *mut Header, offset: usize, slot: usize) -> *const AtomicU64 {
+/// `area` is the initialised registry's; `slot <= area.n_slots`.
+unsafe fn counters(area: Area, slot: usize) -> *const AtomicU64 {
     // SAFETY: forwarded from the caller; the area is 64-byte aligned (see
     // `bytes`) and zeroed at start-up, a valid bit pattern for atomics.
     unsafe {
-        let base = (header as *mut u8).add(offset);
+        let base = area.base.add(area.offset);
         let aligned = base.add(base.align_offset(64));
         aligned.add(slot * slot_bytes()) as *const AtomicU64
     }
@@ -80,32 +88,32 @@ unsafe fn counters(header: *mut Header, offset: usize, slot: usize) -> *const At
 /// This process's counters for row `row`.
 ///
 /// # Safety
-/// `header` is the initialised registry with the statistics at `offset`.
-unsafe fn my_row(header: *mut Header, offset: usize, row: usize) -> *const AtomicU64 {
+/// `area` is the initialised registry's.
+unsafe fn my_row(area: Area, row: usize) -> *const AtomicU64 {
     // SAFETY: forwarded from the caller; MyProc is checked before use.
     unsafe {
-        let n_slots = (*header).n_slots as usize;
+        let n_slots = area.n_slots;
         let procno = if pg_sys::MyProc.is_null() {
             -1
         } else {
-            super::shmem::my_proc_number()
+            crate::backend::my_proc_number()
         };
         let slot = match procno {
             procno if procno >= 0 && (procno as usize) < n_slots => procno as usize,
             _ => n_slots,
         };
-        counters(header, offset, slot).add(row * FIELDS)
+        counters(area, slot).add(row * FIELDS)
     }
 }
 
 /// Count one lock section of this process.
 ///
 /// # Safety
-/// `header` is the initialised registry with the statistics at `offset`.
-pub(super) unsafe fn record(header: *mut Header, offset: usize, t: &Timing, held_ns: u64) {
+/// `area` is the initialised registry's.
+pub(super) unsafe fn record(area: Area, t: &Timing, held_ns: u64) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        let c = my_row(header, offset, t.section as usize);
+        let c = my_row(area, t.section as usize);
         let waited = t.acquired.duration_since(t.asked).as_nanos() as u64;
         (*c).fetch_add(1, Ordering::Relaxed);
         (*c.add(1)).fetch_add(waited, Ordering::Relaxed);
@@ -115,15 +123,19 @@ pub(super) unsafe fn record(header: *mut Header, offset: usize, t: &Timing, held
 
 /// Count one lock-free copy that started at `started`: completed, or given
 /// up for the lock.
-pub(super) fn record_lock_free(started: Instant, completed: bool, slots_visited: usize) {
+pub(super) fn record_lock_free(
+    area: Option<Area>,
+    started: Instant,
+    completed: bool,
+    slots_visited: usize,
+) {
     let ns = started.elapsed().as_nanos() as u64;
-    // SAFETY: HEADER is set once per process at start-up; the layout has
-    // the statistics when the feature is on.
+    let Some(area) = area else {
+        return;
+    };
+    // SAFETY: the area is the initialised registry's.
     unsafe {
-        let Some(h) = HEADER.as_ref() else {
-            return;
-        };
-        let c = my_row(HEADER, h.offsets.lock_stats, LOCK_FREE_ROW);
+        let c = my_row(area, LOCK_FREE_ROW);
         if completed {
             (*c).fetch_add(1, Ordering::Relaxed);
             (*c.add(2)).fetch_add(ns, Ordering::Relaxed);
@@ -147,12 +159,10 @@ pub struct SectionTotals {
     pub slots_visited: u64,
 }
 
-pub fn totals() -> Vec<SectionTotals> {
-    // SAFETY: HEADER is set once per process at start-up.
-    let Some(h) = (unsafe { HEADER.as_ref() }) else {
+pub(super) fn totals(area: Option<Area>) -> Vec<SectionTotals> {
+    let Some(area) = area else {
         return Vec::new();
     };
-    let l = &h.offsets;
     (0..ROWS)
         .map(|row| {
             let (section, mode) = match Section::ALL.get(row) {
@@ -168,11 +178,11 @@ pub fn totals() -> Vec<SectionTotals> {
                 fallbacks: 0,
                 slots_visited: 0,
             };
-            for slot in 0..=h.n_slots as usize {
-                // SAFETY: the registry is initialised with the statistics
-                // at `l.lock_stats`; slot <= n_slots.
+            for slot in 0..=area.n_slots {
+                // SAFETY: the area is the initialised registry's; slot <=
+                // n_slots.
                 unsafe {
-                    let c = counters(HEADER, l.lock_stats, slot).add(row * FIELDS);
+                    let c = counters(area, slot).add(row * FIELDS);
                     t.acquisitions += (*c).load(Ordering::Relaxed);
                     t.wait_ns += (*c.add(1)).load(Ordering::Relaxed);
                     t.hold_ns += (*c.add(2)).load(Ordering::Relaxed);

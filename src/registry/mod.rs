@@ -4,6 +4,7 @@
 //!
 //! | file | concern |
 //! |---|---|
+//! | `section.rs` | what the lock is taken for: each section's mode (and its statistics row) |
 //! | `shmem.rs` | layout, creation at server start, the lock guard |
 //! | `streams.rs` | per-stream state: find, create, load, drop, reclaim |
 //! | `alloc.rs` | allocation (register before you allocate) and transaction end |
@@ -25,7 +26,8 @@
 mod alloc;
 pub mod history;
 #[cfg(feature = "lock-stats")]
-pub mod lock_stats;
+mod lock_stats;
+mod section;
 mod shmem;
 pub mod stats;
 mod streams;
@@ -39,8 +41,8 @@ pub use alloc::{
     remember_writers, rename_entries, InFlight, Request,
 };
 pub use shmem::{
-    catalog_sync, is_loaded, note_start_xid, request_shared_memory, require_loaded, start_xid,
-    ALL_WRITERS, RECENT_CATALOG_CHANGES,
+    catalog_sync, is_loaded, note_start_xid, require_loaded, start_xid, ALL_WRITERS,
+    RECENT_CATALOG_CHANGES,
 };
 pub use streams::{
     forget_all_indexes, forget_index, generation, highest_allocated, mark_dropped_at_commit,
@@ -55,3 +57,15 @@ pub use workers::{
     claim_worker_slot, generations_of, leave_if_idle, release_worker_slot, worker_needed,
     worker_start_failed,
 };
+
+/// The registry lock's statistics (bench builds: feature `lock-stats`).
+#[cfg(feature = "lock-stats")]
+pub fn lock_totals() -> Vec<lock_stats::SectionTotals> {
+    lock_stats::totals(shmem::lock_stats_area())
+}
+
+/// At `_PG_init` in the postmaster: ask for the registry's shared memory;
+/// when it is created, it learns the start's history from `history.rs`.
+pub fn request_shared_memory() {
+    shmem::request_shared_memory(history::at_start)
+}

@@ -12,6 +12,8 @@ use std::sync::atomic::{fence, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
+pub(super) use super::section::Section;
+pub(super) use crate::backend::my_proc_number;
 use crate::error::Error;
 use crate::guc;
 
@@ -564,9 +566,41 @@ pub(super) fn layout(
 }
 
 pub(super) static mut HEADER: *mut Header = ptr::null_mut();
+
+/// Where the lock statistics of the registry at `header` are.
+///
+/// # Safety
+/// `header` is an initialised registry.
+#[cfg(feature = "lock-stats")]
+unsafe fn lock_stats_area_of(header: *mut Header) -> super::lock_stats::Area {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        super::lock_stats::Area {
+            base: header as *mut u8,
+            offset: (*header).offsets.lock_stats,
+            n_slots: (*header).n_slots as usize,
+        }
+    }
+}
+
+/// The lock statistics of this process's registry, once it is attached.
+#[cfg(feature = "lock-stats")]
+pub(super) fn lock_stats_area() -> Option<super::lock_stats::Area> {
+    // SAFETY: HEADER is set once per process at start-up, to an
+    // initialised registry.
+    unsafe { (!HEADER.is_null()).then(|| lock_stats_area_of(HEADER)) }
+}
 #[cfg(not(feature = "pg14"))]
 static mut PREV_SHMEM_REQUEST: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP: pg_sys::shmem_startup_hook_type = None;
+
+/// Which history the start begins or continues (`history::at_start`,
+/// passed down by `registry::request_shared_memory`: the layout does not
+/// call up into the files built on it).
+static mut HISTORY_AT_START: Option<HistoryAtStart> = None;
+
+/// (history id, still recovering), or None: see `history::at_start`.
+pub(super) type HistoryAtStart = fn() -> Option<(u64, bool)>;
 
 /// The finished ring holds at least one entry more than every backend can
 /// push at its transaction's end together (its entries, or the parts of
@@ -604,10 +638,13 @@ fn slot_count() -> usize {
 }
 
 /// Called from `_PG_init` while the library is preloaded.
-pub fn request_shared_memory() {
+/// Install the hooks that create the registry; `history_at_start` says,
+/// when it is created, which history the start begins or continues.
+pub(super) fn request_shared_memory(history_at_start: HistoryAtStart) {
     // SAFETY: hooks are installed once, in the postmaster, before any
     // backend exists; the previous hooks are chained.
     unsafe {
+        HISTORY_AT_START = Some(history_at_start);
         #[cfg(not(feature = "pg14"))]
         {
             PREV_SHMEM_REQUEST = pg_sys::shmem_request_hook;
@@ -685,7 +722,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*header).n_slots = n_slots as u32;
             (*header).per_slot = per_slot as u32;
             (*header).per_session = per_session as u32;
-            let history = super::history::at_start();
+            let history = HISTORY_AT_START.and_then(|at_start| at_start());
             (*header).history_id = history.map_or(0, |h| h.0);
             (*header).history_recovering = history.is_some_and(|h| h.1);
             let entries = base.add(l.entries) as *mut Active;
@@ -695,91 +732,6 @@ unsafe extern "C-unwind" fn shmem_startup() {
         }
         HEADER = base as *mut Header;
         pg_sys::LWLockRelease(addin_shmem_init_lock);
-    }
-}
-
-/// What the registry lock is taken for: the mode, and (with the feature
-/// `lock-stats`) where its hold time is counted.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Section {
-    /// Publish an allocation's lower bound (exclusive).
-    BeginAllocation,
-    /// Record the IDs `nextval` handed out (exclusive).
-    FinishAllocation,
-    /// The same, when the entry's WAL position moves on to a newer record
-    /// (rare): readers must not copy the new position with the old first
-    /// ID it counts for (exclusive, moves the seqlock counter).
-    FinishAllocationShift,
-    /// Move a transaction's entries to the finished ring (exclusive).
-    EndTransaction,
-    /// A reader collects what its snapshot treats as in flight (shared).
-    View,
-    /// Forget finished entries every snapshot sees (exclusive).
-    Prune,
-    /// A stream's generation, for followers and the worker (shared).
-    Generation,
-    /// Anything else, rare: stream lookup and loading, worker slots,
-    /// `in_flight()`.
-    OtherShared,
-    OtherExclusive,
-}
-
-impl Section {
-    #[cfg(feature = "lock-stats")]
-    pub const ALL: [Section; 9] = [
-        Section::BeginAllocation,
-        Section::FinishAllocation,
-        Section::FinishAllocationShift,
-        Section::EndTransaction,
-        Section::View,
-        Section::Prune,
-        Section::Generation,
-        Section::OtherShared,
-        Section::OtherExclusive,
-    ];
-
-    #[cfg(feature = "lock-stats")]
-    pub fn name(self) -> &'static str {
-        match self {
-            Section::BeginAllocation => "begin_allocation",
-            Section::FinishAllocation => "finish_allocation",
-            Section::FinishAllocationShift => "finish_allocation (shift)",
-            Section::EndTransaction => "end_transaction",
-            Section::View => "view",
-            Section::Prune => "prune",
-            Section::Generation => "generation",
-            Section::OtherShared => "other (shared)",
-            Section::OtherExclusive => "other (exclusive)",
-        }
-    }
-
-    /// Does the section move or remove what lock-free readers copy (so
-    /// that a copy it overlaps must be thrown away)? The two allocation
-    /// sections only add: `begin_allocation` publishes a new entry (written
-    /// whole before `used` counts it, `publish`), `finish_allocation`
-    /// completes its own entry (its WAL position and first ID before
-    /// `pending` turns false) and raises the highest allocated ID. A reader
-    /// reads the highest allocated ID first: an entry published after that
-    /// is for IDs above it, which the reader's answer never reaches (the
-    /// lower bound's rule, docs/design.md), and one published before is in
-    /// its copy, pending or complete. (A split, which adds an entry and
-    /// takes the mark `allocating_from` off the earlier one, runs as
-    /// `FinishAllocationShift`: a reader that counted the entries before
-    /// the new one and read the mark after it went would hold neither.)
-    pub fn moves_entries(self) -> bool {
-        self.exclusive() && !matches!(self, Section::BeginAllocation | Section::FinishAllocation)
-    }
-
-    pub fn exclusive(self) -> bool {
-        matches!(
-            self,
-            Section::BeginAllocation
-                | Section::FinishAllocation
-                | Section::FinishAllocationShift
-                | Section::EndTransaction
-                | Section::Prune
-                | Section::OtherExclusive
-        )
     }
 }
 
@@ -1015,7 +967,7 @@ impl Drop for Locked {
         #[cfg(feature = "lock-stats")]
         // SAFETY: the layout has the statistics when the feature is on.
         unsafe {
-            super::lock_stats::record(self.header, self.layout().lock_stats, &self.timing, held)
+            super::lock_stats::record(lock_stats_area_of(self.header), &self.timing, held)
         };
     }
 }
@@ -1398,19 +1350,6 @@ pub fn require_loaded() -> Result<(), Error> {
     }
 }
 
-/// This backend's PGPROC number.
-pub(super) fn my_proc_number() -> i32 {
-    // SAFETY: MyProc is this backend's PGPROC, set at start-up;
-    // MyProcNumber (PostgreSQL 17, which dropped `pgprocno` from the
-    // PGPROC) likewise.
-    unsafe {
-        #[cfg(any(feature = "pg14", feature = "pg15", feature = "pg16"))]
-        return (*pg_sys::MyProc).pgprocno;
-        #[cfg(not(any(feature = "pg14", feature = "pg15", feature = "pg16")))]
-        return pg_sys::MyProcNumber;
-    }
-}
-
 /// This backend's slot: its PGPROC number.
 pub(super) fn my_slot_index() -> Result<usize, Error> {
     // SAFETY: HEADER is initialised (callers checked `require_loaded`).
@@ -1431,3 +1370,17 @@ const _: () = assert!(
     std::mem::offset_of!(StreamState, max_allocated) < 64
         && std::mem::offset_of!(StreamState, xact_rollback) + size_of::<u64>() <= 64
 );
+
+/// The registry no longer has `key` at the cached index.
+#[derive(Debug)]
+pub struct Stale;
+
+/// Is `s` the loaded state of stream (`key`, `seq`) of this database?
+pub(super) fn matches(s: &StreamState, key: i32, seq: pg_sys::Oid) -> bool {
+    is_state_of(s, key, seq) && s.loaded
+}
+
+pub(super) fn is_state_of(s: &StreamState, key: i32, seq: pg_sys::Oid) -> bool {
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    s.in_use && s.key == key && s.seq == seq && s.db == unsafe { pg_sys::MyDatabaseId }
+}

@@ -5,7 +5,8 @@
 use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 
-use super::shmem::{Locked, Section, StreamState, HEADER};
+pub use super::shmem::Stale;
+use super::shmem::{is_state_of, matches, Locked, Section, HEADER};
 use crate::error::Error;
 
 thread_local! {
@@ -16,20 +17,6 @@ thread_local! {
         std::cell::RefCell::new(crate::fast_hash::FastMap::default());
     /// Set from an invalidation callback, which must not touch the cache.
     static INDEX_CACHE_STALE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// The registry no longer has `key` at the cached index.
-#[derive(Debug)]
-pub struct Stale;
-
-/// Is `s` the loaded state of stream (`key`, `seq`) of this database?
-pub(super) fn matches(s: &StreamState, key: i32, seq: pg_sys::Oid) -> bool {
-    is_state_of(s, key, seq) && s.loaded
-}
-
-fn is_state_of(s: &StreamState, key: i32, seq: pg_sys::Oid) -> bool {
-    // SAFETY: MyDatabaseId is set once the backend is connected.
-    s.in_use && s.key == key && s.seq == seq && s.db == unsafe { pg_sys::MyDatabaseId }
 }
 
 pub fn forget_index(key: i32) {

@@ -37,8 +37,7 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::TransactionId;
 use streampos_core::frontier::{HeldBy, Holder};
 
-use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Summary, ALL_WRITERS};
-use super::streams::Stale;
+use super::shmem::{EntryCopy, Finished, Locked, Raw, Section, Stale, Summary, ALL_WRITERS};
 use crate::error::Error;
 use crate::ffi::unguarded;
 
@@ -495,7 +494,12 @@ pub fn view(
         }
     }
     #[cfg(feature = "lock-stats")]
-    super::lock_stats::record_lock_free(started, result.is_some(), copied.slots_visited);
+    super::lock_stats::record_lock_free(
+        super::shmem::lock_stats_area(),
+        started,
+        result.is_some(),
+        copied.slots_visited,
+    );
     #[cfg(feature = "stats")]
     if retries > 0 || result.is_none() {
         super::stats::count_reader_slow_path(own_slot, retries, result.is_none());

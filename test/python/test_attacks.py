@@ -569,7 +569,7 @@ def test_the_resync_error_does_not_echo_the_whole_token(db, stream):
 def test_a_dropped_stream_table_does_not_break_updates(db, stream):
     """BREAKS robustness of updates() and check_stream(). stream_tables
     keeps a regclass with no dependency; once the table is dropped,
-    relation_name() (sql.rs) returns "oid <n>" and the generated SQL is
+    relation_name() (src/sql/mod.rs) returns "oid <n>" and the generated SQL is
     `FROM oid 16949 t`: every updates() and check_stream() of the stream
     fails with a syntax error (42601), for every follower, and no function
     removes a table from a stream (the catalog is not writable). Expected:
@@ -595,7 +595,7 @@ def test_a_dropped_stream_table_does_not_break_updates(db, stream):
 
 def test_updates_reads_a_table_with_more_than_100_columns(db, stream):
     """BREAKS updates() for wide tables (minor). Each row is built with one
-    jsonb_build_array(t.c1, …, t.cN) call (sql.rs, updates_answer), and a
+    jsonb_build_array(t.c1, …, t.cN) call (src/sql/followers.rs, updates_answer), and a
     function takes at most 100 arguments: add_table() accepts a table of
     102 columns, and every updates() of the stream then fails (54023)."""
     create_stream(db, stream)
@@ -626,7 +626,7 @@ def update_rows_generic(answer):
 def test_positions_are_stored_for_a_stream_with_many_writers(db, connect, stream):
     """BREAKS "the worker stores positions". The position worker stores a
     stream's positions and sends pg_notify('streampos', stream || ' ' ||
-    token) in one subtransaction (sql.rs, store_positions). NOTIFY payloads
+    token) in one subtransaction (src/sql/worker.rs, store_positions). NOTIFY payloads
     are limited to 8000 bytes; a token lists every writer ahead of the
     frontier, so with a few hundred configured writers and one of them in
     flight the notify fails ("payload string too long"), the
@@ -659,7 +659,7 @@ def test_a_removed_writer_stays_removed_from_stream_positions(db, connect, strea
     removed writer's stored position; the position worker, whose pass
     started with the old writer list, upserts it again: its INSERT … ON
     CONFLICT waits for set_writers' row lock and, the row being deleted,
-    inserts it back (sql.rs, store_positions). Nothing ever updates or
+    inserts it back (src/sql/worker.rs, store_positions). Nothing ever updates or
     deletes it again, and a standby's frontier is the lowest stored
     position: it stays at the removed writer's last position for good."""
     create_stream(db, stream, writers=["w1", "w2"])
