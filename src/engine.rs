@@ -539,6 +539,32 @@ impl SnapshotContents {
     }
 }
 
+/// What a statement can see, for a value cached per statement: the
+/// snapshot's contents and command. Two snapshots with equal keys see the
+/// same rows, in this transaction or a later one of this backend (a change
+/// of its own moves the command, or, once it ended, the snapshot's xmax).
+pub struct SnapshotKey {
+    contents: SnapshotContents,
+    command: u32,
+}
+
+impl SnapshotKey {
+    pub fn of(snapshot: pg_sys::Snapshot) -> SnapshotKey {
+        // SAFETY: `snapshot` is a valid snapshot of this transaction.
+        let s = unsafe { &*snapshot };
+        SnapshotKey {
+            contents: SnapshotContents::of(s),
+            command: s.curcid,
+        }
+    }
+
+    pub fn matches(&self, snapshot: pg_sys::Snapshot) -> bool {
+        // SAFETY: as in `of`.
+        let s = unsafe { &*snapshot };
+        self.command == s.curcid && self.contents.same_as(s)
+    }
+}
+
 /// Answers already given in this transaction, per snapshot contents and
 /// stream. See `docs/design.md`, "One answer per snapshot".
 ///

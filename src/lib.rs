@@ -68,9 +68,24 @@ pub extern "C-unwind" fn _PG_init() {
     // can be requested nowhere else. Token types work either way.
     // SAFETY: a flag the postmaster sets while it loads preloaded libraries.
     let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    // SAFETY: a flag set while an extension's script runs.
+    let in_extension_script = unsafe { pg_sys::creating_extension };
     guc::define(preloading);
     if preloading {
         registry::request_shared_memory();
+    } else if in_extension_script {
+        // Loaded first by CREATE (or ALTER) EXTENSION without the preload:
+        // say so now, not at the first next_id.
+        pgrx::pg_sys::panic::ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_WARNING,
+            "streampos is not in shared_preload_libraries",
+            "_PG_init",
+        )
+        .set_detail(
+            "Its streams cannot allocate IDs or report positions until it is: those functions fail with SQLSTATE 55000. The token types work without it.",
+        )
+        .set_hint("Add streampos to shared_preload_libraries in postgresql.conf and restart the server.")
+        .report(PgLogLevel::WARNING);
     }
     xact::register_callbacks();
     catalog::register_invalidation();

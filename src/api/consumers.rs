@@ -322,11 +322,36 @@ fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToke
     }
 }
 
+thread_local! {
+    /// The last answer of `safe_to_delete`: (stream, what its statement
+    /// saw, the answer). A retention job's `DELETE … WHERE … <=
+    /// safe_to_delete(…)` asks once per row; the consumers' rows it reads
+    /// are the same for every row of one statement.
+    static LAST_SAFE_TO_DELETE: std::cell::RefCell<Option<(String, engine::SnapshotKey, Option<Token>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// The position at or below which every registered consumer of the stream
 /// has acknowledged every row (writer by writer, the lowest acknowledged
 /// position); NULL when the stream has no consumers.
 #[pg_extern(stable, strict, parallel_restricted)]
 fn safe_to_delete(stream: &str) -> Option<MultiWriterToken> {
+    let snapshot = crate::registry::caller_snapshot();
+    let cached = LAST_SAFE_TO_DELETE.with(|last| match &*last.borrow() {
+        Some((s, key, answer)) if s == stream && key.matches(snapshot) => Some(answer.clone()),
+        _ => None,
+    });
+    if let Some(answer) = cached {
+        return answer.map(MultiWriterToken);
+    }
     forward_stream(stream);
-    meet_of(sql::consumer_positions(stream)).map(MultiWriterToken)
+    let answer = meet_of(sql::consumer_positions(stream));
+    LAST_SAFE_TO_DELETE.with(|last| {
+        *last.borrow_mut() = Some((
+            stream.to_string(),
+            engine::SnapshotKey::of(snapshot),
+            answer.clone(),
+        ))
+    });
+    answer.map(MultiWriterToken)
 }

@@ -211,6 +211,81 @@ def test_safe_to_delete_is_what_every_consumer_acknowledged(connect, stream):
     assert one(db, "SELECT count(*) FROM streampos.consumer_positions WHERE stream_name = %s", (stream,)) == 0
 
 
+def test_safe_to_delete_answers_once_per_statement_and_follows_every_change(connect, stream):
+    """safe_to_delete() keeps its last answer for a statement's snapshot
+    and command (a retention job's DELETE asks once per row): within a
+    transaction an ack of its own moves the command and the answer; a
+    REPEATABLE READ transaction keeps its answer while another session
+    acknowledges; the next transaction sees the change; another stream is
+    asked for itself."""
+    db, other = connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 4)
+    register(db, stream, "a", "0")
+    safe = "SELECT streampos.safe_to_delete(%s)::text"
+    db.execute("BEGIN")
+    assert one(db, safe, (stream,)) == "0"
+    # One statement, many rows: every row the same answer.
+    assert rows(db, "SELECT DISTINCT streampos.safe_to_delete(%s)::text FROM generate_series(1, 1000)",
+                (stream,)) == [("0",)]
+    ack(db, stream, "a", "2")
+    assert one(db, safe, (stream,)) == "2"
+    db.execute("COMMIT")
+    db.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert one(db, safe, (stream,)) == "2"
+    ack(other, stream, "a", "3")
+    assert one(db, safe, (stream,)) == "2"
+    db.execute("COMMIT")
+    assert one(db, safe, (stream,)) == "3"
+    db.execute("SELECT streampos.unregister_consumer(%s, 'a')", (stream,))
+    assert one(db, safe, (stream,)) is None
+    expect_error(db, safe, (stream + "_none",), sqlstate="42704")
+
+
+def test_the_readmes_retention_job_deletes_what_every_consumer_acknowledged(connect, stream):
+    """README, "Consumers": the retention job (safe_to_delete asked once,
+    the ID bounded by max_stream_pos so that an index finds the rows)
+    deletes exactly the rows at or below every consumer's position, writer
+    by writer, as the per-row form does; nothing without consumers."""
+    db = connect()
+    setup_stream(db, stream)
+    job = f"""DELETE FROM {stream}_ev d
+               USING streampos.instances i, (SELECT streampos.safe_to_delete(%s) AS safe) s
+               WHERE i.instance_name = d.instance_name
+                 AND d.id <= streampos.max_stream_pos(s.safe)
+                 AND NOT streampos.persisted_after(s.safe, i.instance_id, d.id)
+               RETURNING d.id"""
+    per_row = f"""DELETE FROM {stream}_ev d USING streampos.instances i
+                  WHERE i.instance_name = d.instance_name
+                    AND NOT streampos.persisted_after(streampos.safe_to_delete(%s), i.instance_id, d.id)
+                  RETURNING d.id"""
+    ids1 = write(db, stream, "w1", 3)
+    ids2 = write(db, stream, "w2", 3)
+    assert [r[0] for r in rows(db, job, (stream,))] == []
+    w1, w2 = instance_id(db, "w1"), instance_id(db, "w2")
+    register(db, stream, "a", "0")
+    register(db, stream, "b", "0")
+    ack(db, stream, "a", f"m{ids1[0]}~{w1}.{ids1[2]}")
+    ack(db, stream, "b", f"m{ids1[2]}~{w2}.{ids2[1]}")
+    safe = one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,))
+    expected = sorted(one(db, f"SELECT array_agg(d.id ORDER BY d.id) FROM {stream}_ev d JOIN streampos.instances i "
+                              "ON i.instance_name = d.instance_name "
+                              "WHERE NOT streampos.persisted_after(%s::streampos.multi_writer_token, i.instance_id, d.id)",
+                          (safe,)) or [])
+    assert expected and len(expected) < 6, (safe, expected)
+    db.execute("BEGIN")
+    assert sorted(r[0] for r in rows(db, per_row, (stream,))) == expected
+    db.execute("ROLLBACK")
+    # The bound is an index condition (the table is too small for the
+    # planner to choose the index by itself).
+    db.execute("SET enable_seqscan = off")
+    plan = "\n".join(r[0] for r in rows(db, "EXPLAIN " + job.replace("RETURNING d.id", ""), (stream,)))
+    db.execute("RESET enable_seqscan")
+    assert f"Index Cond: (id <=" in plan, plan
+    assert sorted(r[0] for r in rows(db, job, (stream,))) == expected
+    assert one(db, f"SELECT count(*) FROM {stream}_ev") == 6 - len(expected)
+
+
 @pytest.fixture
 def roles(database):
     names = [ensure_login_role(r) for r in ("streampos_con_a", "streampos_con_b", "streampos_con_m")]

@@ -15,6 +15,7 @@ from support import (
     CATCH_UP_SECONDS,
     PGDATA,
     backend_pid,
+    connect_raw,
     create_stream,
     expect_error,
     frontier,
@@ -203,6 +204,22 @@ def test_without_preload_token_types_work_and_registry_functions_fail_with_55000
             err = expect_error(db, sql, (stream,), "55000")
             assert "shared_preload_libraries" in (err.diag.message_hint or ""), err.diag.message_hint
         db.close()
+        # CREATE EXTENSION without the preload says so at once (a WARNING
+        # with the way out), and succeeds: the token types work.
+        with connect_raw("postgres") as admin:
+            admin.execute("DROP DATABASE IF EXISTS streampos_no_preload")
+            admin.execute("CREATE DATABASE streampos_no_preload")
+        try:
+            with connect_raw("streampos_no_preload") as fresh:
+                notices = []
+                fresh.add_notice_handler(notices.append)
+                fresh.execute("CREATE EXTENSION streampos")
+                warned = [n for n in notices if n.severity_nonlocalized == "WARNING"]
+                assert [n.message_primary for n in warned] == ["streampos is not in shared_preload_libraries"]
+                assert "restart the server" in warned[0].message_hint
+        finally:
+            with connect_raw("postgres") as admin:
+                admin.execute("DROP DATABASE IF EXISTS streampos_no_preload")
     finally:
         restart_server("fast")
     db = connect()

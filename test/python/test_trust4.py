@@ -34,14 +34,17 @@ def needs_prepared_transactions(conn):
 # ------------------------------------------ finding 1: what outlives a start
 
 
-def prepared_row_of_a_hold(connect, db, stream, rows_before=0, rows_after=0):
+def prepared_row_of_a_hold(connect, db, stream, rows_before=0, rows_after=0, before_hold=None):
     """A stream whose held ID's row is written by a PREPAREd transaction,
-    with `rows_before` and `rows_after` committed rows around the hold:
-    (table, held ID, the prepared transaction's gid)."""
+    with `rows_before` and `rows_after` committed rows around the hold
+    (`before_hold()` runs just before it is taken): (table, held ID, the
+    prepared transaction's gid)."""
     create_stream(db, stream)
     table = f"{stream}_t"
     db.execute(f"CREATE TABLE {table} (id bigint)")
     commit_rows(db, stream, table, rows_before)
+    if before_hold is not None:
+        before_hold()
     holder = connect()
     [held] = hold(holder, stream, "p")
     writer = connect()
@@ -237,26 +240,19 @@ def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(co
     holds it may hold rows of: after a start, every writer is held from
     the stored frontier, as 0.3.0 did (rather than passing its row)."""
     needs_prepared_transactions(db)
-    create_stream(db, stream)
-    table = f"{stream}_t"
-    db.execute(f"CREATE TABLE {table} (id bigint)")
     upgrade = open(os.path.join(os.path.dirname(__file__), "..", "..", "sql", "streampos--0.3.0--0.4.0.sql")).read()
     made = upgrade[upgrade.index("CREATE TABLE streampos.prepared_holds"):]
-    db.execute("ALTER EXTENSION streampos DROP TABLE streampos.prepared_holds")
-    db.execute("DROP TABLE streampos.prepared_holds")
-    holder = connect()
-    [held] = hold(holder, stream, "p")
-    writer = connect()
-    gid = f"{stream}_old"
-    writer.execute("BEGIN")
-    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
-    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+
+    def drop_the_records_table():
+        db.execute("ALTER EXTENSION streampos DROP TABLE streampos.prepared_holds")
+        db.execute("DROP TABLE streampos.prepared_holds")
+
+    table, held, gid = prepared_row_of_a_hold(connect, db, stream, before_hold=drop_the_records_table)
     try:
         db.execute(made)
         db.execute("ALTER EXTENSION streampos ADD TABLE streampos.prepared_holds")
         commit_rows(db, stream, table, 2)
         support.flush_wal(db)
-        holder.close()
         support.restart_server("fast")
         with support.connect_raw() as c:
             assert frontier(c, stream) < held, "the row of a transaction prepared before the records was passed"

@@ -88,6 +88,9 @@ class _Session:
         self.conn = conn
         self.lock = threading.Lock()
         self.holds = 0
+        # streampos.max_held_per_session, read at the first hold: a full
+        # session is known before the server refuses (an ERROR in its log).
+        self.limit: Optional[int] = None
         self.full = False
         self.lost = False
 
@@ -313,12 +316,22 @@ class Sessions:
             session = self._pick()
             try:
                 with session.lock:
+                    if session.limit is None:
+                        session.limit = int(
+                            self._execute(
+                                session, "SELECT pg_catalog.current_setting('streampos.max_held_per_session')"
+                            )[0][0]
+                        )
+                    if session.holds >= session.limit:
+                        session.full = True
+                        continue
                     ids = self._execute(session, "SELECT streampos.hold_ids(?, ?, ?)", (stream, writer, n))[0][0]
                     session.holds += 1
                 return Hold(self, session, stream, list(ids))
             except Exception as e:
                 if sqlstate(e) == "53400":
-                    # This session holds as many allocations as a session may.
+                    # This session holds as many allocations as a session may
+                    # (counted here too; this is the server's word for it).
                     session.full = True
                     continue
                 if self._is_dead(session, e):
