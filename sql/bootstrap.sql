@@ -78,6 +78,9 @@ CREATE TABLE prepared_holds (
     instance_id integer NOT NULL,
     min_id bigint NOT NULL
 );
+-- Its first row (stream key 0: no stream) says, by its xmin, when the table
+-- was created: a transaction prepared before recorded nothing.
+INSERT INTO prepared_holds VALUES (0, 0, 0);
 
 SELECT pg_catalog.pg_extension_config_dump('instances', '');
 SELECT pg_catalog.pg_extension_config_dump('instances_instance_id_seq', '');

@@ -354,6 +354,9 @@ CREATE TABLE streampos.prepared_holds (
     instance_id integer NOT NULL,
     min_id bigint NOT NULL
 );
+-- Its first row (stream key 0: no stream) says, by its xmin, when the table
+-- was created: a transaction prepared before recorded nothing.
+INSERT INTO streampos.prepared_holds VALUES (0, 0, 0);
 GRANT SELECT ON streampos.prepared_holds TO PUBLIC;
 CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON streampos.prepared_holds
     FOR EACH ROW EXECUTE FUNCTION streampos.catalog_rows_stay_local();

@@ -22,10 +22,11 @@ use crate::{registry, sql};
 /// of. (Whether it wrote any row cannot be told here: PREPARE has given
 /// it an xid, and a row of an unlogged table writes no WAL.)
 pub fn record() {
-    // SAFETY: reads a backend-local flag.
-    let read_only = unsafe { pg_sys::XactReadOnly };
-    // A read-only transaction wrote no row (and may not insert records).
-    if read_only || !registry::is_loaded() {
+    // SAFETY: reads backend-local state.
+    let (read_only, wrote_wal) = unsafe { (pg_sys::XactReadOnly, pg_sys::XactLastRecEnd != 0) };
+    // Read-only and without WAL of its own: it wrote no row. (A transaction
+    // may turn read-only after writing: SET TRANSACTION READ ONLY.)
+    if (read_only && !wrote_wal) || !registry::is_loaded() {
         return;
     }
     // SAFETY: MyDatabaseId is set once the backend is connected.
@@ -38,23 +39,39 @@ pub fn record() {
     }
     // The statements of the transaction have ended: the INSERT needs a
     // snapshot of its own (an ERROR pops it with the transaction).
-    // SAFETY: pushes and pops a snapshot of this still running transaction.
-    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
-    sql::record_prepared_holds(&holds);
+    // A transaction that turned read-only after writing still records (the
+    // records are the extension's, as a sequence's nextval would be).
+    // SAFETY: pushes and pops a snapshot of this still running transaction,
+    // and lifts its read-only flag for the extension's INSERT only (an
+    // ERROR aborts the transaction, which ends the flag with it).
+    unsafe {
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+        pg_sys::XactReadOnly = false;
+    }
+    // PREPARE runs without statement_timeout: waiting behind a lock on the
+    // table (VACUUM FULL, DROP EXTENSION queued) is bounded (55P03).
+    sql::with_lock_wait_bound(|| sql::record_prepared_holds(&holds));
     // SAFETY: the snapshot pushed above is the active one again.
-    unsafe { pg_sys::PopActiveSnapshot() };
+    unsafe {
+        pg_sys::XactReadOnly = read_only;
+        pg_sys::PopActiveSnapshot();
+    }
 }
 
 /// The records of stream `key` written by transactions that began before
 /// xid `start` (its low 32 bits) and did not abort: (writer or
 /// `ALL_WRITERS`, lowest ID), and whether they are complete (false: a
-/// transaction still prepared began before the table existed, and
-/// recorded nothing). None when the catalog has no `prepared_holds` (not
-/// yet updated to 0.4.0).
+/// transaction of this database still prepared began before the table
+/// existed, and recorded nothing). The table's first row, written with it
+/// (stream key 0), tells when that was: its xmin, which no GRANT, VACUUM
+/// FULL or freezing changes. None when the catalog has no `prepared_holds`
+/// (not yet updated to 0.4.0).
 pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
     let relid = sql::catalog_table(c"prepared_holds")?;
-    let complete = !sql::prepared_before_records(relid);
     let mut records = Vec::new();
+    // The first row's xmin; FROZEN when it was frozen (older than any
+    // transaction still there); None when it is gone.
+    let mut created_by = None;
     // SAFETY: a sequential heap scan of the extension's own table, opened
     // and closed here under AccessShareLock; tuples are read while the scan
     // holds their page, and every column is NOT NULL and passed by value.
@@ -87,9 +104,6 @@ pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
             } else {
                 (*header).t_choice.t_heap.t_xmin
             };
-            if !pg_sys::TransactionIdPrecedes(xmin, pg_sys::TransactionId::from_inner(start)) {
-                continue;
-            }
             let mut values = [pg_sys::Datum::from(0); 3];
             let mut nulls = [true; 3];
             pg_sys::heap_deform_tuple(
@@ -98,7 +112,16 @@ pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
                 values.as_mut_ptr(),
                 nulls.as_mut_ptr(),
             );
-            if nulls.iter().any(|&n| n) || values[0].value() as i32 != key {
+            if nulls.iter().any(|&n| n) {
+                continue;
+            }
+            if values[0].value() as i32 == FIRST_ROW_KEY {
+                created_by = Some(xmin);
+                continue;
+            }
+            if values[0].value() as i32 != key
+                || !pg_sys::TransactionIdPrecedes(xmin, pg_sys::TransactionId::from_inner(start))
+            {
                 continue;
             }
             records.push((values[1].value() as i32, values[2].value() as i64));
@@ -106,5 +129,21 @@ pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
         pg_sys::heap_endscan(scan);
         pg_sys::table_close(rel, lock);
     }
+    let complete = created_by.is_some_and(|created_by| {
+        created_by == pg_sys::TransactionId::FROZEN
+            || !sql::prepared_xids().into_iter().any(|xid| {
+                // SAFETY: compares two xids; raises no error.
+                unsafe {
+                    pg_sys::TransactionIdPrecedes(
+                        pg_sys::TransactionId::from_inner(xid),
+                        created_by,
+                    )
+                }
+            })
+    });
     Some((records, complete))
 }
+
+/// The stream key of the table's first row, which only says when the table
+/// was created (no stream has key 0).
+const FIRST_ROW_KEY: i32 = 0;

@@ -228,21 +228,16 @@ pub fn older_than_start(start: u32) -> bool {
     .unwrap_or(true)
 }
 
-/// Whether a transaction of this database was prepared before
-/// `streampos.prepared_holds` (OID `records`) was created: by a library
-/// before 0.4.0, or before `ALTER EXTENSION streampos UPDATE`, so it
-/// recorded nothing of the holds it may hold rows of.
-pub fn prepared_before_records(records: pg_sys::Oid) -> bool {
+/// The xids of this database's prepared transactions (low 32 bits).
+pub fn prepared_xids() -> Vec<u32> {
     as_role(extension_owner(), || {
-        select_one::<bool>(
-            "SELECT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts p, pg_catalog.pg_class c \
-                 WHERE c.oid OPERATOR(pg_catalog.=) $1 \
-                   AND p.database OPERATOR(pg_catalog.=) pg_catalog.current_database() \
-                   AND pg_catalog.age(p.transaction) OPERATOR(pg_catalog.>) pg_catalog.age(c.xmin))",
-            &[records.into()],
+        select_all(
+            "SELECT p.transaction::pg_catalog.text FROM pg_catalog.pg_prepared_xacts p \
+             WHERE p.database OPERATOR(pg_catalog.=) pg_catalog.current_database()",
+            &[],
+            |r| Ok(r.get::<String>(1)?.and_then(|xid| xid.parse::<u32>().ok())),
         )
     })
-    .unwrap_or(true)
 }
 
 /// The highest stored position or frontier at or below `at_most`
@@ -315,7 +310,8 @@ pub fn forget_prepared_holds(horizon: pg_sys::TransactionId) {
     as_owner(|| {
         run(
             "DELETE FROM streampos.prepared_holds h \
-             WHERE pg_catalog.age(h.xmin) OPERATOR(pg_catalog.>) \
+             WHERE h.stream_key OPERATOR(pg_catalog.<>) 0 \
+               AND pg_catalog.age(h.xmin) OPERATOR(pg_catalog.>) \
                    pg_catalog.age($1::pg_catalog.text::pg_catalog.xid)",
             &[horizon.into_inner().to_string().into()],
         )

@@ -34,11 +34,13 @@ def needs_prepared_transactions(conn):
 # ------------------------------------------ finding 1: what outlives a start
 
 
-def prepared_row_of_a_hold(connect, db, stream, rows_before=0, rows_after=0, before_hold=None):
+def prepared_row_of_a_hold(connect, db, stream, rows_before=0, rows_after=0, before_hold=None,
+                           read_only_at_prepare=False):
     """A stream whose held ID's row is written by a PREPAREd transaction,
     with `rows_before` and `rows_after` committed rows around the hold
-    (`before_hold()` runs just before it is taken): (table, held ID, the
-    prepared transaction's gid)."""
+    (`before_hold()` runs just before it is taken; the transaction turns
+    read-only after its INSERT if asked): (table, held ID, the prepared
+    transaction's gid)."""
     create_stream(db, stream)
     table = f"{stream}_t"
     db.execute(f"CREATE TABLE {table} (id bigint)")
@@ -51,6 +53,8 @@ def prepared_row_of_a_hold(connect, db, stream, rows_before=0, rows_after=0, bef
     gid = f"{stream}_gid"
     writer.execute("BEGIN")
     writer.execute(f"INSERT INTO {table} VALUES (%s)", (held,))
+    if read_only_at_prepare:
+        writer.execute("SET TRANSACTION READ ONLY")
     writer.execute(f"PREPARE TRANSACTION '{gid}'")
     commit_rows(db, stream, table, rows_after)
     return table, held, gid
@@ -211,6 +215,16 @@ def test_a_prepared_transaction_without_holds_holds_nothing_back_after_a_start(c
         other.execute(f"CREATE TABLE {stream}_other (x int)")
         other.execute(f"PREPARE TRANSACTION '{gid}'")
         commit_ids(db, stream, "w", 3)
+        # The table rewritten after the PREPARE (its catalog row too): the
+        # transaction is still not "prepared before the records existed".
+        # (Holds other tests left orphaned would have been recorded, and
+        # their lock would keep VACUUM FULL waiting: bounded.)
+        db.execute("SET lock_timeout = '5s'")
+        try:
+            db.execute("VACUUM FULL streampos.prepared_holds")
+        except psycopg.errors.LockNotAvailable:
+            pass
+        db.execute("RESET lock_timeout")
         before = positions(db, stream, ["w"])
         support.flush_wal(db)
         support.restart_server(stop)
@@ -263,6 +277,113 @@ def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(co
         if gid is not None:
             with support.connect_raw() as c:
                 c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+@pytest.mark.restarts_server
+def test_a_transaction_that_turned_read_only_after_its_row_still_records_the_holds(connect, db, stream):
+    """The fifth adversary's first find: SET TRANSACTION READ ONLY after
+    the INSERT, then PREPARE. The records were skipped for read-only
+    transactions, and after a start the frontier passed the prepared row.
+    A transaction that wrote WAL records, read-only or not."""
+    needs_prepared_transactions(db)
+    table, held, gid = prepared_row_of_a_hold(connect, db, stream, rows_after=1, read_only_at_prepare=True)
+    try:
+        support.flush_wal(db)
+        support.restart_server("immediate")
+        with support.connect_raw() as c:
+            assert frontier(c, stream) < held, "the frontier passed a prepared row of a held ID"
+            c.execute(f"COMMIT PREPARED '{gid}'")
+            gid = None
+            wait_until(lambda: frontier(c, stream) >= held + 1, timeout=10, message="the release after the commit")
+    finally:
+        if gid is not None:
+            with support.connect_raw() as c:
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+@pytest.mark.restarts_server
+def test_a_change_of_the_records_tables_catalog_row_sends_nothing_back(connect, db, stream):
+    """The fifth adversary's second find: whether a prepared transaction
+    predated the records was told by the table's pg_class xmin, which a
+    GRANT or VACUUM FULL rewrites: every prepared transaction then counted
+    as unrecorded, and every writer fell back to the stored frontier. Now
+    the table's first row, written with it, tells."""
+    needs_prepared_transactions(db)
+    table, held, gid = prepared_row_of_a_hold(connect, db, stream, rows_after=3)
+    try:
+        before = positions(db, stream, ["w"])
+        # A prepared transaction with records keeps the table locked
+        # (ROW EXCLUSIVE): a GRANT still rewrites its catalog row.
+        db.execute("GRANT SELECT ON streampos.prepared_holds TO PUBLIC")
+        support.flush_wal(db)
+        support.restart_server("fast")
+        with support.connect_raw() as c:
+            after = positions(c, stream, ["w"])
+            assert (after[0], after[2]) == (before[0], before[2]), (before, after)
+            assert after[0] < held
+            c.execute(f"COMMIT PREPARED '{gid}'")
+            gid = None
+    finally:
+        if gid is not None:
+            with support.connect_raw() as c:
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+@pytest.mark.restarts_server
+def test_more_than_eight_recorded_writers_send_no_other_writer_back(connect, db, stream):
+    """The fifth adversary's third find: the records of a start were folded
+    into the stream's orphaned holds, eight writers of them; the rest held
+    every writer, and an idle writer fell from 11 to 8. The orphaned holds
+    now keep 64 writers."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    table = f"{stream}_t"
+    db.execute(f"CREATE TABLE {table} (id bigint)")
+    holder = connect()
+    held = [hold(holder, stream, f"p{k}")[0] for k in range(10)]
+    writer = connect()
+    gid = f"{stream}_nine"
+    writer.execute("BEGIN")
+    writer.execute(f"INSERT INTO {table} VALUES (%s)", (held[-1],))
+    writer.execute(f"PREPARE TRANSACTION '{gid}'")
+    try:
+        commit_rows(db, stream, table, 2)
+        before = positions(db, stream, ["w"])
+        support.flush_wal(db)
+        support.restart_server("fast")
+        with support.connect_raw() as c:
+            after = positions(c, stream, ["w"])
+            assert (after[0], after[2]) == (before[0], before[2]), (before, after)
+            c.execute(f"COMMIT PREPARED '{gid}'")
+            gid = None
+    finally:
+        if gid is not None:
+            with support.connect_raw() as c:
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+def test_a_prepare_waits_a_bounded_time_behind_a_lock_on_the_records(connect, db, stream):
+    """The fifth adversary's fifth find: PREPARE runs without
+    statement_timeout, and its INSERT of the records waited (604 s) behind
+    an ACCESS EXCLUSIVE lock on the table (LOCK, VACUUM FULL, a queued DROP
+    EXTENSION). It now waits at most the catalog's lock bound: 55P03, and
+    the transaction is rolled back."""
+    needs_prepared_transactions(db)
+    create_stream(db, stream)
+    holder = connect()
+    hold(holder, stream, "p")
+    locker = connect()
+    locker.execute("BEGIN")
+    locker.execute("LOCK streampos.prepared_holds IN ACCESS EXCLUSIVE MODE")
+    w = connect()
+    w.execute("SET statement_timeout = '3s'")
+    w.execute("BEGIN")
+    w.execute(f"CREATE TABLE {stream}_unrelated (a int)")
+    started = time.monotonic()
+    err = expect_error(w, f"PREPARE TRANSACTION '{stream}_blocked'", sqlstate="55P03")
+    assert time.monotonic() - started < 30, err
+    locker.execute("ROLLBACK")
+    assert one(db, "SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s", (f"{stream}_blocked",)) == 0
 
 
 def test_prepared_holds_are_recorded_with_the_transaction_and_forgotten_after_it(connect, db, stream):
