@@ -243,17 +243,20 @@ def test_safe_to_delete_answers_once_per_statement_and_follows_every_change(conn
 
 
 def test_the_readmes_retention_job_deletes_what_every_consumer_acknowledged(connect, stream):
-    """README, "Consumers": the retention job (safe_to_delete asked once,
-    the ID bounded by max_stream_pos so that an index finds the rows)
-    deletes exactly the rows at or below every consumer's position, writer
-    by writer, as the per-row form does; nothing without consumers."""
+    """README, "Consumers": the retention job (safe_to_delete and each
+    writer's position in it computed once, the ID bounded by
+    max_stream_pos so that an index finds the rows) deletes exactly the
+    rows at or below every consumer's position, writer by writer, as the
+    per-row form does; nothing without consumers."""
     db = connect()
     setup_stream(db, stream)
-    job = f"""DELETE FROM {stream}_ev d
-               USING streampos.instances i, (SELECT streampos.safe_to_delete(%s) AS safe) s
-               WHERE i.instance_name = d.instance_name
-                 AND d.id <= streampos.max_stream_pos(s.safe)
-                 AND NOT streampos.persisted_after(s.safe, i.instance_id, d.id)
+    job = f"""WITH s AS MATERIALIZED (SELECT streampos.safe_to_delete(%s) AS safe),
+                    w AS MATERIALIZED (SELECT i.instance_name,
+                                              streampos.instance_pos(s.safe, i.instance_id) AS upto
+                                       FROM streampos.instances i, s)
+               DELETE FROM {stream}_ev d USING w
+               WHERE d.instance_name = w.instance_name AND d.id <= w.upto
+                 AND d.id <= (SELECT streampos.max_stream_pos(s.safe) FROM s)
                RETURNING d.id"""
     per_row = f"""DELETE FROM {stream}_ev d USING streampos.instances i
                   WHERE i.instance_name = d.instance_name
