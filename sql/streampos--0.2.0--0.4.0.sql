@@ -349,11 +349,13 @@ WHERE oid OPERATOR(pg_catalog.=) 'streampos.multi_writer_token'::pg_catalog.regt
 -- this server's transactions, so not dumped.
 -- A start that such a transaction outlived holds back only those writers,
 -- from those IDs (0.3.0 held every writer back from the stored frontier).
+-- A heap whatever default_table_access_method says: it is read with a
+-- heap scan of its own (src/prepared.rs).
 CREATE TABLE streampos.prepared_holds (
     stream_key integer NOT NULL,
     instance_id integer NOT NULL,
     min_id bigint NOT NULL
-);
+) USING heap;
 -- Its first row (stream key 0: no stream) says, by its xmin, when the table
 -- was created: a transaction prepared before recorded nothing.
 INSERT INTO streampos.prepared_holds VALUES (0, 0, 0);

@@ -87,7 +87,7 @@ CREATE TABLE prepared_holds (
     stream_key integer NOT NULL,
     instance_id integer NOT NULL,
     min_id bigint NOT NULL
-);
+) USING heap;
 -- Its first row (stream key 0: no stream) says, by its xmin, when the table
 -- was created: a transaction prepared before recorded nothing.
 INSERT INTO prepared_holds VALUES (0, 0, 0);

@@ -54,8 +54,8 @@ pub fn registry_index(meta: &StreamMeta) -> usize {
         // The frontier is held back: a writer ahead of it that the worker
         // had not stored before the stop (a crash within its interval) was
         // listed in tokens then, and must be now, or tokens go back. Every
-        // instance that may write the stream is listed (an idle one at the
-        // highest ID, where it stands).
+        // instance that may write the stream is listed from now on (seen
+        // writers stay seen; an idle one stands at the highest ID).
         let mut others: Vec<i32> = sql::instance_names()
             .into_iter()
             .filter(|(id, name)| {
@@ -539,13 +539,28 @@ impl SnapshotContents {
     }
 }
 
+thread_local! {
+    /// Moves at every end of a (sub)transaction of this backend: a change
+    /// of its own that was rolled back moves neither the snapshot nor the
+    /// command (`ROLLBACK TO` a savepoint), and an xid of its own that
+    /// ended need not move a later snapshot's xmax.
+    static TRANSACTION_ENDS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// At every end of a transaction or subtransaction (xact.rs): values kept
+/// per `SnapshotKey` are not used again.
+pub fn transaction_ended() {
+    TRANSACTION_ENDS.with(|n| n.set(n.get().wrapping_add(1)));
+}
+
 /// What a statement can see, for a value cached per statement: the
-/// snapshot's contents and command. Two snapshots with equal keys see the
-/// same rows, in this transaction or a later one of this backend (a change
-/// of its own moves the command, or, once it ended, the snapshot's xmax).
+/// snapshot's contents and command, within one run of this backend's
+/// transactions between (sub)transaction ends. Two snapshots with equal
+/// keys see the same rows.
 pub struct SnapshotKey {
     contents: SnapshotContents,
     command: u32,
+    ends: u64,
 }
 
 impl SnapshotKey {
@@ -555,13 +570,16 @@ impl SnapshotKey {
         SnapshotKey {
             contents: SnapshotContents::of(s),
             command: s.curcid,
+            ends: TRANSACTION_ENDS.with(|n| n.get()),
         }
     }
 
     pub fn matches(&self, snapshot: pg_sys::Snapshot) -> bool {
         // SAFETY: as in `of`.
         let s = unsafe { &*snapshot };
-        self.command == s.curcid && self.contents.same_as(s)
+        self.command == s.curcid
+            && self.ends == TRANSACTION_ENDS.with(|n| n.get())
+            && self.contents.same_as(s)
     }
 }
 

@@ -62,10 +62,11 @@ pub fn record() {
 /// xid `start` (its low 32 bits) and did not abort: (writer or
 /// `ALL_WRITERS`, lowest ID), and whether they are complete (false: a
 /// transaction of this database still prepared began before the table
-/// existed, and recorded nothing). The table's first row, written with it
-/// (stream key 0), tells when that was: its xmin, which no GRANT, VACUUM
-/// FULL or freezing changes. None when the catalog has no `prepared_holds`
-/// (not yet updated to 0.4.0).
+/// existed, and recorded nothing, or a snapshot from before its end is
+/// still open). The table's first row, written with it (stream key 0),
+/// tells when that was: its xmin, which no GRANT, VACUUM FULL or freezing
+/// changes. None when the catalog has no `prepared_holds` of the shape
+/// and access method 0.4.0 made (not yet updated, or altered).
 pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
     let relid = sql::catalog_table(c"prepared_holds")?;
     let mut records = Vec::new();
@@ -78,6 +79,12 @@ pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
     unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let rel = pg_sys::table_open(relid, lock);
+        // Three columns, a heap: anything else is not the table 0.4.0
+        // made, and is not read (every writer is held instead).
+        if (*(*rel).rd_att).natts != 3 || (*(*rel).rd_rel).relam != pg_sys::HEAP_TABLE_AM_OID {
+            pg_sys::table_close(rel, lock);
+            return None;
+        }
         // A dirty snapshot sees rows of transactions in progress (a
         // prepared one is) and committed rows not deleted.
         let mut dirty: pg_sys::SnapshotData = std::mem::zeroed();
@@ -129,17 +136,10 @@ pub fn read(key: i32, start: u32) -> Option<(Vec<(i32, i64)>, bool)> {
         pg_sys::heap_endscan(scan);
         pg_sys::table_close(rel, lock);
     }
+    // Not whether such a transaction is still prepared now: a snapshot
+    // from before its COMMIT PREPARED must not be passed its row either.
     let complete = created_by.is_some_and(|created_by| {
-        created_by == pg_sys::TransactionId::FROZEN
-            || !sql::prepared_xids().into_iter().any(|xid| {
-                // SAFETY: compares two xids; raises no error.
-                unsafe {
-                    pg_sys::TransactionIdPrecedes(
-                        pg_sys::TransactionId::from_inner(xid),
-                        created_by,
-                    )
-                }
-            })
+        created_by == pg_sys::TransactionId::FROZEN || !sql::older_than(created_by.into_inner())
     });
     Some((records, complete))
 }

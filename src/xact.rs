@@ -21,6 +21,7 @@ pub fn register_callbacks() {
 unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
         XactEvent::XACT_EVENT_COMMIT => {
+            engine::transaction_ended();
             crate::session::end_transaction();
             registry::note_start_xid();
             registry::end_transaction(true);
@@ -28,6 +29,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
             engine::end_transaction_marks(true);
         }
         XactEvent::XACT_EVENT_ABORT => {
+            engine::transaction_ended();
             crate::session::end_transaction();
             registry::note_start_xid();
             registry::end_transaction(false);
@@ -39,7 +41,10 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
             registry::flush_before_commit();
             catalog::pre_commit();
         }
-        XactEvent::XACT_EVENT_PREPARE => catalog::prepared(),
+        XactEvent::XACT_EVENT_PREPARE => {
+            engine::transaction_ended();
+            catalog::prepared();
+        }
         XactEvent::XACT_EVENT_PRE_PREPARE if registry::holding() => Error::Prepare.report(),
         XactEvent::XACT_EVENT_PRE_PREPARE if catalog::changed_in_this_transaction() => {
             Error::PrepareCatalog.report()
@@ -63,6 +68,7 @@ unsafe extern "C-unwind" fn on_subxact_event(
 ) {
     match event {
         pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
+            engine::transaction_ended();
             catalog::end_subtransaction(false, subxact, parent);
             registry::end_subtransaction(false, subxact, parent);
             // A read's rollback stored no mark (marks are catalog writes).

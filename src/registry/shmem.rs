@@ -316,7 +316,7 @@ impl Lost {
 }
 
 /// Writers an orphan record keeps apart (see `Orphans`).
-pub const ORPHAN_WRITERS: usize = 64;
+pub const ORPHAN_WRITERS: usize = 16;
 
 /// The holds of sessions that ended without releasing them, one record per
 /// stream: each holds its writer back from its lowest ID (the holds of one

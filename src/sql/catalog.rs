@@ -228,16 +228,27 @@ pub fn older_than_start(start: u32) -> bool {
     .unwrap_or(true)
 }
 
-/// The xids of this database's prepared transactions (low 32 bits).
-pub fn prepared_xids() -> Vec<u32> {
+/// Whether a prepared transaction of this database, or a session's
+/// snapshot in it, is older than xid `xid` (its low 32 bits): a
+/// transaction prepared before the records table was made recorded
+/// nothing, and a snapshot from before its COMMIT PREPARED still cannot
+/// see its rows. Read as the extension's owner (other roles' sessions
+/// show their xmin only to it).
+pub fn older_than(xid: u32) -> bool {
     as_role(extension_owner(), || {
-        select_all(
-            "SELECT p.transaction::pg_catalog.text FROM pg_catalog.pg_prepared_xacts p \
-             WHERE p.database OPERATOR(pg_catalog.=) pg_catalog.current_database()",
-            &[],
-            |r| Ok(r.get::<String>(1)?.and_then(|xid| xid.parse::<u32>().ok())),
+        select_one::<bool>(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts p \
+                 WHERE p.database OPERATOR(pg_catalog.=) pg_catalog.current_database() \
+                   AND pg_catalog.age(p.transaction) OPERATOR(pg_catalog.>) \
+                       pg_catalog.age($1::pg_catalog.text::pg_catalog.xid)) \
+             OR EXISTS (SELECT FROM pg_catalog.pg_stat_activity a \
+                 WHERE a.datname OPERATOR(pg_catalog.=) pg_catalog.current_database() \
+                   AND pg_catalog.age(a.backend_xmin) OPERATOR(pg_catalog.>) \
+                       pg_catalog.age($1::pg_catalog.text::pg_catalog.xid))",
+            &[xid.to_string().into()],
         )
     })
+    .unwrap_or(true)
 }
 
 /// The highest stored position or frontier at or below `at_most`

@@ -230,6 +230,13 @@ def test_safe_to_delete_answers_once_per_statement_and_follows_every_change(conn
                 (stream,)) == [("0",)]
     ack(db, stream, "a", "2")
     assert one(db, safe, (stream,)) == "2"
+    # An ack rolled back to a savepoint: the snapshot and the command are
+    # as they were, the answer is not.
+    db.execute("SAVEPOINT s")
+    ack(db, stream, "a", "3")
+    assert one(db, safe, (stream,)) == "3"
+    db.execute("ROLLBACK TO SAVEPOINT s")
+    assert one(db, safe, (stream,)) == "2"
     db.execute("COMMIT")
     db.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     assert one(db, safe, (stream,)) == "2"

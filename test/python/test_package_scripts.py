@@ -56,6 +56,30 @@ def test_removing_while_a_cluster_preloads_it_is_refused_with_the_way_out(tmp_pa
     assert run(prerm, "upgrade", "0.4.0", STREAMPOS_PG_ETC=str(etc)).returncode == 0
 
 
+@pytest.mark.parametrize("conf", [
+    "SHARED_PRELOAD_LIBRARIES='$libdir/streampos'\n",            # names are case-insensitive
+    "shared_preload_libraries = streampos  # unquoted\n",
+    "shared_preload_libraries = 'pg_stat_statements'\nshared_preload_libraries = 'streampos'\n",
+])
+def test_the_setting_is_read_as_postgresql_reads_it(tmp_path, conf):
+    etc = tmp_path / "etc"
+    cluster(etc, conf=conf)
+    assert run(script("prerm", tmp_path), "remove", STREAMPOS_PG_ETC=str(etc)).returncode == 1
+
+
+@pytest.mark.parametrize("conf,auto", [
+    # The last setting wins: ALTER SYSTEM took it out.
+    ("shared_preload_libraries = 'streampos'\n", "shared_preload_libraries = 'pg_stat_statements'\n"),
+    # Another library, a comment naming streampos.
+    ("shared_preload_libraries = 'streampos_other'  # not streampos\n", None),
+])
+def test_a_setting_without_streampos_is_not_refused(tmp_path, conf, auto):
+    etc = tmp_path / "etc"
+    cluster(etc, conf=conf, auto=auto)
+    done = run(script("prerm", tmp_path), "remove", STREAMPOS_PG_ETC=str(etc))
+    assert done.returncode == 0, done.stderr
+
+
 def test_removing_is_allowed_when_nothing_preloads_it(tmp_path):
     etc = tmp_path / "etc"
     prerm = script("prerm", tmp_path)

@@ -248,11 +248,15 @@ def test_a_prepared_transaction_without_holds_holds_nothing_back_after_a_start(c
 
 
 @pytest.mark.restarts_server
-def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(connect, db, stream):
+@pytest.mark.parametrize("commit_first", [False, True])
+def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(connect, db, stream, commit_first):
     """A transaction prepared by a library before 0.4.0, or before ALTER
     EXTENSION UPDATE made streampos.prepared_holds, recorded nothing of the
     holds it may hold rows of: after a start, every writer is held from
-    the stored frontier, as 0.3.0 did (rather than passing its row)."""
+    the stored frontier, as 0.3.0 did (rather than passing its row). Also
+    when it is committed before the stream's first use, for a snapshot
+    taken before that COMMIT PREPARED (the reviewer's case: "still
+    prepared now" is no answer for it)."""
     needs_prepared_transactions(db)
     upgrade = open(os.path.join(os.path.dirname(__file__), "..", "..", "sql", "streampos--0.3.0--0.4.0.sql")).read()
     made = upgrade[upgrade.index("CREATE TABLE streampos.prepared_holds"):]
@@ -268,10 +272,20 @@ def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(co
         commit_rows(db, stream, table, 2)
         support.flush_wal(db)
         support.restart_server("fast")
-        with support.connect_raw() as c:
-            assert frontier(c, stream) < held, "the row of a transaction prepared before the records was passed"
-            c.execute(f"COMMIT PREPARED '{gid}'")
-            gid = None
+        with support.connect_raw() as reader, support.connect_raw() as c:
+            if commit_first:
+                reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                one(reader, "SELECT 1")
+                c.execute(f"COMMIT PREPARED '{gid}'")
+                gid = None
+            f = frontier(reader, stream)
+            seen = [r[0] for r in rows(reader, f"SELECT id FROM {table} WHERE id <= %s", (f,))]
+            assert f < held and held not in seen, "the row of a transaction prepared before the records was passed"
+            if commit_first:
+                reader.execute("COMMIT")
+            else:
+                c.execute(f"COMMIT PREPARED '{gid}'")
+                gid = None
             wait_until(lambda: frontier(c, stream) >= held + 2, timeout=10, message="the release after the commit")
     finally:
         if gid is not None:
