@@ -65,6 +65,16 @@ def commit_rows(db, stream, table, n):
         db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w')", (stream,))
 
 
+def roll_back_if_prepared(gid):
+    """A test's clean-up: the prepared transaction `gid`, unless the test
+    committed it (or it never was prepared), is rolled back."""
+    if gid is None:
+        return
+    with support.connect_raw() as c:
+        if one(c, "SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s", (gid,)):
+            c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
 @pytest.mark.restarts_server
 @pytest.mark.parametrize("stop", ["immediate", "fast"])
 def test_a_prepared_row_of_a_held_id_is_not_passed_after_a_start(connect, db, stream, stop):
@@ -91,15 +101,12 @@ def test_a_prepared_row_of_a_held_id_is_not_passed_after_a_start(connect, db, st
                 assert f < held, f"frontier {f} passed ID {held}, whose row a prepared transaction holds"
                 time.sleep(0.5)
             c.execute(f"COMMIT PREPARED '{gid}'")
-            gid = None
             wait_until(lambda: frontier(c, stream) >= held + 1, timeout=10, message="the release after the commit")
             f = frontier(c, stream)
             assert one(c, f"SELECT count(*) FROM {table} WHERE id <= %s", (f,)) == 1
             assert seen == 0
     finally:
-        if gid is not None:
-            with support.connect_raw() as c:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
+        roll_back_if_prepared(gid)
 
 
 @pytest.mark.restarts_server
@@ -186,13 +193,11 @@ def test_positions_do_not_go_back_after_a_start_a_prepared_transaction_outlived(
             c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
             c.execute("SELECT pg_reload_conf()")
             c.execute(f"COMMIT PREPARED '{gid}'")
-            gid = None
             wait_until(lambda: frontier(c, stream) >= held + 2, timeout=10, message="the release after the commit")
             assert one(c, f"SELECT count(*) FROM {table} WHERE id <= %s", (held + 2,)) == 3
     finally:
+        roll_back_if_prepared(gid)
         with support.connect_raw() as c:
-            if gid is not None:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
             c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
             c.execute("SELECT pg_reload_conf()")
 
@@ -240,9 +245,8 @@ def test_a_prepared_transaction_without_holds_holds_nothing_back_after_a_start(c
                 (stream,),
             ) == 0
     finally:
+        roll_back_if_prepared(gid)
         with support.connect_raw() as c:
-            if one(c, "SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s", (gid,)):
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
             c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
             c.execute("SELECT pg_reload_conf()")
 
@@ -277,7 +281,6 @@ def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(co
                 reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
                 one(reader, "SELECT 1")
                 c.execute(f"COMMIT PREPARED '{gid}'")
-                gid = None
             f = frontier(reader, stream)
             seen = [r[0] for r in rows(reader, f"SELECT id FROM {table} WHERE id <= %s", (f,))]
             assert f < held and held not in seen, "the row of a transaction prepared before the records was passed"
@@ -285,12 +288,9 @@ def test_a_transaction_prepared_before_the_records_existed_holds_every_writer(co
                 reader.execute("COMMIT")
             else:
                 c.execute(f"COMMIT PREPARED '{gid}'")
-                gid = None
             wait_until(lambda: frontier(c, stream) >= held + 2, timeout=10, message="the release after the commit")
     finally:
-        if gid is not None:
-            with support.connect_raw() as c:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
+        roll_back_if_prepared(gid)
 
 
 @pytest.mark.restarts_server
@@ -307,12 +307,9 @@ def test_a_transaction_that_turned_read_only_after_its_row_still_records_the_hol
         with support.connect_raw() as c:
             assert frontier(c, stream) < held, "the frontier passed a prepared row of a held ID"
             c.execute(f"COMMIT PREPARED '{gid}'")
-            gid = None
             wait_until(lambda: frontier(c, stream) >= held + 1, timeout=10, message="the release after the commit")
     finally:
-        if gid is not None:
-            with support.connect_raw() as c:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
+        roll_back_if_prepared(gid)
 
 
 @pytest.mark.restarts_server
@@ -336,11 +333,8 @@ def test_a_change_of_the_records_tables_catalog_row_sends_nothing_back(connect, 
             assert (after[0], after[2]) == (before[0], before[2]), (before, after)
             assert after[0] < held
             c.execute(f"COMMIT PREPARED '{gid}'")
-            gid = None
     finally:
-        if gid is not None:
-            with support.connect_raw() as c:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
+        roll_back_if_prepared(gid)
 
 
 @pytest.mark.restarts_server
@@ -369,11 +363,8 @@ def test_more_than_eight_recorded_writers_send_no_other_writer_back(connect, db,
             after = positions(c, stream, ["w"])
             assert (after[0], after[2]) == (before[0], before[2]), (before, after)
             c.execute(f"COMMIT PREPARED '{gid}'")
-            gid = None
     finally:
-        if gid is not None:
-            with support.connect_raw() as c:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
+        roll_back_if_prepared(gid)
 
 
 def test_a_prepare_waits_a_bounded_time_behind_a_lock_on_the_records(connect, db, stream):
