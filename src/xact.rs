@@ -21,20 +21,21 @@ pub fn register_callbacks() {
 unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
         XactEvent::XACT_EVENT_COMMIT => {
-            engine::transaction_ended();
             crate::session::end_transaction();
             registry::note_start_xid();
             registry::end_transaction(true);
             catalog::end_transaction(true);
             engine::end_transaction_marks(true);
+            // Last: nothing before the registry's end of the transaction.
+            engine::transaction_ended();
         }
         XactEvent::XACT_EVENT_ABORT => {
-            engine::transaction_ended();
             crate::session::end_transaction();
             registry::note_start_xid();
             registry::end_transaction(false);
             catalog::end_transaction(false);
             engine::end_transaction_marks(false);
+            engine::transaction_ended();
         }
         XactEvent::XACT_EVENT_PRE_COMMIT => {
             engine::release_answers();
