@@ -1005,6 +1005,8 @@ pub(super) struct EntryCopy {
     pub allocating_from: i64,
     pub durable_from: i64,
     pub lsn: u64,
+    /// Taken under a name a savepoint took back (see `Active::ghost`).
+    pub ghost: bool,
 }
 
 /// The fields of a stream state that readers use.
@@ -1231,6 +1233,7 @@ impl Raw {
                 allocating_from,
                 durable_from,
                 lsn: Self::read(&raw const (*a).lsn),
+                ghost: Self::read(&raw const (*a).ghost),
             }
         }
     }

@@ -543,6 +543,16 @@ pub fn view(
         // A hold is in flight until it is released (its shadow entry in the
         // releasing transaction, then in the ring, takes over).
         let ended = !own && !is_hold && sees_end(a.xid);
+        // Committed and seen so by the snapshot, but its commit callback,
+        // which makes its writer seen, has not run yet (it runs after the
+        // commit is visible): the writer is seen for this answer too.
+        if ended && a.instance != ALL_WRITERS && !a.ghost && !seen.contains(&a.instance) {
+            // SAFETY: asks the commit log about the xid of a transaction
+            // that ended; raises no error.
+            if unsafe { pg_sys::TransactionIdDidCommit(a.xid) } {
+                seen.push(a.instance);
+            }
+        }
         // A pending entry has not recorded its WAL position, and neither
         // has an allocation running into a complete entry
         // (`allocating_from`): the sequence records its `nextval` calls
