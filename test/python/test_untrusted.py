@@ -637,12 +637,14 @@ def test_a_prepared_insert_into_the_catalog_stalls_no_adoption_or_allocation(are
         # Under 0.2.0 both waited for the attacker until this lock_timeout.
         hs.execute("SET lock_timeout = '3s'")
         adopt = pool.submit(rows, hs, "SELECT * FROM streampos.adopt_synapse()")
+        # One after the other: a new writer's name created first would take
+        # instance id 1, which the adoption must import as Synapse's.
+        assert any(a == "adopted" for _s, a, _d in adopt.result(timeout=10))
         writer = arena.connect()
         writer.execute("SET lock_timeout = '3s'")
         create_stream(writer, "other")
         allocated = pool.submit(one, writer, "SELECT streampos.next_id('other', 'a_new_writer')")
         assert allocated.result(timeout=10) == 1
-        assert any(a == "adopted" for _s, a, _d in adopt.result(timeout=10))
         writer.execute("SELECT streampos.drop_stream('other')")
     finally:
         attacker.execute("ROLLBACK")
