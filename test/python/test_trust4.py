@@ -168,38 +168,35 @@ def test_positions_do_not_go_back_after_a_start_a_prepared_transaction_outlived(
     prepared (streampos.prepared_holds): only p is held, from its ID; w
     keeps its position, nothing goes back, and row 1 is still not passed."""
     needs_prepared_transactions(db)
-    db.execute("ALTER SYSTEM SET streampos.position_interval_ms = 60000")
-    db.execute("SELECT pg_reload_conf()")
     gid = None
     try:
-        table, held, gid = prepared_row_of_a_hold(connect, db, stream, rows_after=2)
-        before = positions(db, stream, ["w", "p"])
-        assert before[0] == held - 1 and before[2][0] == held + 2, before
-        support.flush_wal(db)
-        support.restart_server(stop)
+        # The worker's store behind, so that what a crash finds stored lags.
+        with support.server_settings({"streampos.position_interval_ms": "60000"}):
+            table, held, gid = prepared_row_of_a_hold(connect, db, stream, rows_after=2)
+            before = positions(db, stream, ["w", "p"])
+            assert before[0] == held - 1 and before[2][0] == held + 2, before
+            support.flush_wal(db)
+            support.restart_server(stop)
+            with support.connect_raw() as c:
+                after = positions(c, stream, ["w", "p"])
+                # A crash may move positions forward (the sequence logs 32
+                # values ahead), never back.
+                went_back = (
+                    after[0] < before[0]
+                    or not one(c, "SELECT streampos.is_before_or_eq(%s::streampos.multi_writer_token, "
+                                  "%s::streampos.multi_writer_token)", (before[1], after[1]))
+                    or any(a < b for a, b in zip(after[2], before[2]))
+                )
+                assert not went_back, f"positions went back across the start: {before} -> {after}"
+                if stop == "fast":
+                    assert (after[0], after[2]) == (before[0], before[2])
+                assert after[0] < held
         with support.connect_raw() as c:
-            after = positions(c, stream, ["w", "p"])
-            # A crash may move positions forward (the sequence logs 32
-            # values ahead), never back.
-            went_back = (
-                after[0] < before[0]
-                or not one(c, "SELECT streampos.is_before_or_eq(%s::streampos.multi_writer_token, %s::streampos.multi_writer_token)", (before[1], after[1]))
-                or any(a < b for a, b in zip(after[2], before[2]))
-            )
-            assert not went_back, f"positions went back across the start: {before} -> {after}"
-            if stop == "fast":
-                assert (after[0], after[2]) == (before[0], before[2])
-            assert after[0] < held
-            c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
-            c.execute("SELECT pg_reload_conf()")
             c.execute(f"COMMIT PREPARED '{gid}'")
             wait_until(lambda: frontier(c, stream) >= held + 2, timeout=10, message="the release after the commit")
             assert one(c, f"SELECT count(*) FROM {table} WHERE id <= %s", (held + 2,)) == 3
     finally:
         roll_back_if_prepared(gid)
-        with support.connect_raw() as c:
-            c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
-            c.execute("SELECT pg_reload_conf()")
 
 
 @pytest.mark.restarts_server
@@ -211,44 +208,40 @@ def test_a_prepared_transaction_without_holds_holds_nothing_back_after_a_start(c
     recorded no hold, so nothing is held back."""
     needs_prepared_transactions(db)
     create_stream(db, stream)
-    db.execute("ALTER SYSTEM SET streampos.position_interval_ms = 60000")
-    db.execute("SELECT pg_reload_conf()")
     other = connect()
     gid = f"{stream}_unrelated"
     try:
-        other.execute("BEGIN")
-        other.execute(f"CREATE TABLE {stream}_other (x int)")
-        other.execute(f"PREPARE TRANSACTION '{gid}'")
-        commit_ids(db, stream, "w", 3)
-        # The table rewritten after the PREPARE (its catalog row too): the
-        # transaction is still not "prepared before the records existed".
-        # (Holds other tests left orphaned would have been recorded, and
-        # their lock would keep VACUUM FULL waiting: bounded.)
-        db.execute("SET lock_timeout = '5s'")
-        try:
-            db.execute("VACUUM FULL streampos.prepared_holds")
-        except psycopg.errors.LockNotAvailable:
-            pass
-        db.execute("RESET lock_timeout")
-        before = positions(db, stream, ["w"])
-        support.flush_wal(db)
-        support.restart_server(stop)
-        with support.connect_raw() as c:
-            after = positions(c, stream, ["w"])
-            assert after[0] >= before[0] and after[2][0] >= before[2][0], (before, after)
-            if stop == "fast":
-                assert after == before
-            assert one(
-                c,
-                "SELECT count(*) FROM streampos.prepared_holds h JOIN streampos.streams s USING (stream_key) "
-                "WHERE s.stream_name = %s",
-                (stream,),
-            ) == 0
+        with support.server_settings({"streampos.position_interval_ms": "60000"}):
+            other.execute("BEGIN")
+            other.execute(f"CREATE TABLE {stream}_other (x int)")
+            other.execute(f"PREPARE TRANSACTION '{gid}'")
+            commit_ids(db, stream, "w", 3)
+            # The table rewritten after the PREPARE (its catalog row too): the
+            # transaction is still not "prepared before the records existed".
+            # (Holds other tests left orphaned would have been recorded, and
+            # their lock would keep VACUUM FULL waiting: bounded.)
+            db.execute("SET lock_timeout = '5s'")
+            try:
+                db.execute("VACUUM FULL streampos.prepared_holds")
+            except psycopg.errors.LockNotAvailable:
+                pass
+            db.execute("RESET lock_timeout")
+            before = positions(db, stream, ["w"])
+            support.flush_wal(db)
+            support.restart_server(stop)
+            with support.connect_raw() as c:
+                after = positions(c, stream, ["w"])
+                assert after[0] >= before[0] and after[2][0] >= before[2][0], (before, after)
+                if stop == "fast":
+                    assert after == before
+                assert one(
+                    c,
+                    "SELECT count(*) FROM streampos.prepared_holds h JOIN streampos.streams s USING (stream_key) "
+                    "WHERE s.stream_name = %s",
+                    (stream,),
+                ) == 0
     finally:
         roll_back_if_prepared(gid)
-        with support.connect_raw() as c:
-            c.execute("ALTER SYSTEM RESET streampos.position_interval_ms")
-            c.execute("SELECT pg_reload_conf()")
 
 
 @pytest.mark.restarts_server
