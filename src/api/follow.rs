@@ -442,6 +442,8 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
         high,
         since: &since_text,
         until: &until_text,
+        since_token: &since,
+        until_token: &until,
         // Every writer's rows in here are in range: above each writer's
         // position in `since`, at or below each one's in `until`.
         every_writer_above: since.max_stream_pos(),

@@ -57,17 +57,6 @@ fn rows_in_range(table: &StreamTable, name: &str) -> String {
     )
 }
 
-/// The rows `updates` reads: low < id <= high, and each row's writer in
-/// range between the multi-writer tokens `since` (exclusive) and `until`.
-pub struct RowRange<'a> {
-    pub low: i64,
-    pub high: i64,
-    pub since: &'a str,
-    pub until: &'a str,
-    pub every_writer_above: i64,
-    pub every_writer_up_to: i64,
-}
-
 impl RowRange<'_> {
     /// The arguments $1 to $4 of `rows_in_range` ($5 is the limit; $6 and
     /// $7 follow it).
@@ -79,13 +68,6 @@ impl RowRange<'_> {
             self.until.to_string().into(),
         ]
     }
-}
-
-/// One row of `updates`' answer: its ID and the row as a jsonb datum in
-/// the caller's memory context.
-pub struct UpdateRow {
-    pub id: i64,
-    json: pg_sys::Datum,
 }
 
 /// The first `limit` (None: all) rows of one table that `updates` returns,
@@ -100,6 +82,9 @@ pub fn update_rows(
     // range are those with low < id <= high, whoever wrote them (no token
     // in the statement). Else each row's writer is looked up and compared.
     let simple = range.low == range.every_writer_above && range.high == range.every_writer_up_to;
+    if let IndexRead::Rows(rows) = index_read(table, range, simple, limit) {
+        return rows;
+    }
     let limit = match limit {
         Some(n) => n.into(),
         None => DatumWithOid::null::<i64>(),
@@ -143,7 +128,7 @@ pub fn update_rows(
                 let json = pg_sys::SPI_getbinval(tuple, desc, 2, &mut null);
                 (!null).then(|| UpdateRow {
                     id: id.value() as i64,
-                    json: pg_sys::SPI_datumTransfer(json, false, -1),
+                    json: RowJson::Jsonb(pg_sys::SPI_datumTransfer(json, false, -1)),
                 })
             }
         })
@@ -243,21 +228,6 @@ fn row_json(table: &StreamTable) -> String {
         .join(" OPERATOR(pg_catalog.||) ")
 }
 
-/// Is `type_oid` bigint (Some(false)) or an array of bigint (Some(true)),
-/// looking through domains?
-fn bigint_kind(type_oid: pg_sys::Oid) -> Option<bool> {
-    // SAFETY: syscache lookups; a missing type is InvalidOid, no error.
-    unsafe {
-        let base = pg_sys::getBaseType(type_oid);
-        if base == pg_sys::INT8OID {
-            return Some(false);
-        }
-        let element = pg_sys::get_element_type(base);
-        (element != pg_sys::InvalidOid && pg_sys::getBaseType(element) == pg_sys::INT8OID)
-            .then_some(true)
-    }
-}
-
 /// One column of a row of `updates`' answer as a JSON value. A column of a
 /// built-in type (`built_in_type`) is what `jsonb_build_array` makes of it;
 /// any other is the text of the type's output function (through `format`,
@@ -325,7 +295,19 @@ pub fn updates_answer(
         }
         answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
         for row in rows {
-            answer.jsonb(row.json);
+            match &row.json {
+                RowJson::Jsonb(datum) => answer.jsonb(*datum),
+                RowJson::Cells(cells) => {
+                    answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
+                    for cell in cells {
+                        match *cell {
+                            Cell::Scalar(value) => answer.scalar(elem, value),
+                            Cell::Jsonb(datum) => answer.jsonb(datum),
+                        }
+                    }
+                    answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
+                }
+            }
         }
     }
     answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);

@@ -17,7 +17,10 @@
 //!   may read, then read as its owner in a security-restricted operation,
 //!   as VACUUM and ANALYZE do, so that its policies, index expressions,
 //!   constraints and rules run as the role that wrote them, never as the
-//!   caller (docs/design.md, "Untrusted objects");
+//!   caller (docs/design.md, "Untrusted objects"); the one exception is
+//!   `index_read`, which reads only where no code but PostgreSQL's own can
+//!   run (no policy, no inheritance, built-in types, a plain ID index) and
+//!   checks the caller exactly as `read_as_owner` does;
 //! - what changes the caller's own objects (`setval` on their sequence) runs
 //!   with the caller's privileges.
 //!
@@ -33,6 +36,7 @@
 //! | `stream_tables.rs` | a stream's registered tables as they are now, the ones that cannot be read, their highest IDs |
 //! | `kept.rs` | statements prepared once per session and kept |
 //! | `followers.rs` | what `updates` reads, as JSON |
+//! | `index_read.rs` | `updates`' rows read through the ID index, without SQL, where no other role's code can run |
 //! | `worker.rs` | the position worker's locks, stored positions, frontier marks, notifications |
 //! | `adoption.rs` | `adopt_synapse`: Synapse's schema read, the catalog written |
 //! | `consumers.rs` | consumers' rows: registration, acknowledgement, state, floors |
@@ -51,6 +55,7 @@ mod adoption;
 mod catalog;
 mod consumers;
 mod followers;
+mod index_read;
 mod kept;
 mod privileges;
 mod sequences;
@@ -61,6 +66,7 @@ pub use adoption::*;
 pub use catalog::*;
 pub use consumers::*;
 pub use followers::*;
+pub use index_read::*;
 pub use kept::*;
 pub use privileges::*;
 pub use sequences::*;

@@ -35,6 +35,21 @@ pub fn integer_type(type_oid: pg_sys::Oid) -> bool {
     base == pg_sys::INT8OID || base == pg_sys::INT4OID || base == pg_sys::INT2OID
 }
 
+/// Is `type_oid` bigint (Some(false)) or an array of bigint (Some(true)),
+/// looking through domains?
+pub fn bigint_kind(type_oid: pg_sys::Oid) -> Option<bool> {
+    // SAFETY: syscache lookups; a missing type is InvalidOid, no error.
+    unsafe {
+        let base = pg_sys::getBaseType(type_oid);
+        if base == pg_sys::INT8OID {
+            return Some(false);
+        }
+        let element = pg_sys::get_element_type(base);
+        (element != pg_sys::InvalidOid && pg_sys::getBaseType(element) == pg_sys::INT8OID)
+            .then_some(true)
+    }
+}
+
 /// A type's name, for messages.
 pub fn type_name(type_oid: pg_sys::Oid) -> String {
     // SAFETY: format_type_be returns a palloc'd string; a missing type
@@ -74,10 +89,10 @@ pub fn is_table_kind(kind: u8) -> bool {
 }
 
 /// What the extension needs to know of a relation before it reads it.
-struct RelationFacts {
-    owner: pg_sys::Oid,
-    kind: u8,
-    row_security: bool,
+pub(super) struct RelationFacts {
+    pub(super) owner: pg_sys::Oid,
+    pub(super) kind: u8,
+    pub(super) row_security: bool,
 }
 
 /// Read relation `rel` as its owner: THE way the extension reads a table
@@ -158,7 +173,12 @@ pub fn check_caller_may_read(rel: pg_sys::Oid, columns: &[&str]) {
 /// `columns` (42501); and with row-level security enabled, the caller must
 /// have the owner's privileges or BYPASSRLS (42501): reading as the owner
 /// would show rows its policies hide from the caller.
-fn check_may_read(rel: pg_sys::Oid, name: &str, facts: &RelationFacts, columns: &[&str]) {
+pub(super) fn check_may_read(
+    rel: pg_sys::Oid,
+    name: &str,
+    facts: &RelationFacts,
+    columns: &[&str],
+) {
     if !is_table_kind(facts.kind) {
         Error::NotATable {
             relation: name.into(),
