@@ -227,15 +227,16 @@ fn make_read_plan(
         columns: Vec::new(),
         writer: WriterColumn::NotHere,
     };
-    // SAFETY: `rel` is open and locked; its descriptor is read in place.
+    // SAFETY: `rel` is open and locked; its descriptor is read in place,
+    // as each PostgreSQL version lays it out (pgrx's reader).
     let attribute = |name: &str| unsafe {
-        let desc = (*rel).rd_att;
-        (0..(*desc).natts as usize).find_map(|i| {
-            let a = &*(*desc).attrs.as_ptr().add(i);
-            (!a.attisdropped
-                && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes())
-            .then_some((a.attnum, a.atttypid, a.attcollation))
-        })
+        pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att)
+            .iter()
+            .find(|a| {
+                !a.attisdropped
+                    && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes()
+            })
+            .map(|a| (a.attnum, a.atttypid, a.attcollation))
     };
     let Some((id_attnum, id_type, _)) = attribute(&table.id_column) else {
         return plan;
