@@ -12,6 +12,7 @@
 //! | `engine.rs` | allocation and per-statement views between the SQL API and the registry |
 //! | `api/` | the SQL functions of streams, writing, reading, followers, checks |
 //! | `types.rs` | the token types (varlena I/O, operators' functions) |
+//! | `token_datum.rs` | a token as a varlena datum and back (the types' and the extension's own writes) |
 //! | `catalog.rs` | the stream catalog with a per-backend cache |
 //! | `prepared.rs` | what a prepared transaction may commit rows for, recorded at PREPARE, read after a start |
 //! | `sequence.rs` | a stream's sequence: nextval, its WAL position, its value |
@@ -42,6 +43,7 @@ mod roles;
 mod sequence;
 mod session;
 mod sql;
+mod token_datum;
 mod types;
 mod worker;
 mod xact;

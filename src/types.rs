@@ -16,40 +16,7 @@ use streampos_core::token::{Token, TokenKind};
 use crate::error::{Error, OrRaise};
 
 use crate::ffi::{hash_bytes, hash_bytes_extended};
-
-/// Read a token out of a (possibly toasted or short-header) varlena datum.
-///
-/// # Safety
-/// `datum` must be a non-null varlena datum of one of the token types.
-unsafe fn token_from_datum(datum: pg_sys::Datum, kind: TokenKind) -> Token {
-    // SAFETY: the caller passes a varlena datum; detoasting gives a pointer
-    // to its full value, valid for `varsize_any_exhdr` bytes after the
-    // header, in the current memory context.
-    unsafe {
-        let raw = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
-        let len = pgrx::varlena::varsize_any_exhdr(raw);
-        let data = pgrx::varlena::vardata_any(raw) as *const u8;
-        let bytes = std::slice::from_raw_parts(data, len);
-        Token::decode(kind, bytes).or_raise()
-    }
-}
-
-/// Write a token into a fresh palloc'd varlena.
-fn token_into_datum(token: &Token) -> pg_sys::Datum {
-    let len = token.encoded_len();
-    let mut bytes = Vec::with_capacity(len);
-    token.encode(&mut bytes);
-    // SAFETY: palloc returns `total` writable bytes (or raises an ERROR); the
-    // header is set for that size and the payload copied after it.
-    unsafe {
-        let total = pg_sys::VARHDRSZ + bytes.len();
-        let ptr = pg_sys::palloc(total) as *mut pg_sys::varlena;
-        pgrx::varlena::set_varsize_4b(ptr, total as i32);
-        let dst = (ptr as *mut u8).add(pg_sys::VARHDRSZ);
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
-        pg_sys::Datum::from(ptr)
-    }
-}
+use crate::token_datum::{token_from_datum, token_into_datum};
 
 macro_rules! token_sql_type {
     ($rust:ident, $kind:expr, $sql:literal) => {

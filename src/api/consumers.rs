@@ -294,14 +294,14 @@ fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToke
     refuse_negative(&token.0);
     refuse_past_frontier(stream, &token.0);
     sql::lock_consumers(meta.key, false);
-    let token = token.0.to_text(TokenKind::MultiWriter);
-    // The consumer's owner acknowledging (the usual call): one statement,
-    // which matches only the caller's own row. Nobody else's call writes
-    // a row, or waits for one, before its owner is checked.
+    // The consumer's owner acknowledging (the usual call): only a row it
+    // owns is written. Nobody else's call writes a row, or waits for one,
+    // before its owner is checked.
     // SAFETY: reads the backend's current user id.
     let caller = unsafe { pg_sys::GetUserId() };
-    if let Some((_, position)) = sql::advance_own_consumer(stream, consumer, &token, caller) {
-        return MultiWriterToken(parse_stored(&position));
+    if let Some((_, position)) = sql::advance_consumer_row(stream, consumer, &token.0, Some(caller))
+    {
+        return MultiWriterToken(position);
     }
     // A role acting for the owner (a member, a superuser), or a refusal.
     match sql::consumer(stream, consumer) {
@@ -311,10 +311,10 @@ fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToke
     // The owner is checked again on the row version written: unregistered
     // and registered again by another role since the lookup, it is that
     // role's (the ERROR's abort undoes the write).
-    match sql::advance_consumer(stream, consumer, &token) {
+    match sql::advance_consumer_row(stream, consumer, &token.0, None) {
         Some((owner, position)) => {
             check_owner(stream, consumer, owner);
-            MultiWriterToken(parse_stored(&position))
+            MultiWriterToken(position)
         }
         // Never registered, or unregistered by a transaction that
         // committed while we waited for its row lock.

@@ -64,60 +64,6 @@ pub fn insert_consumer(
     })
 }
 
-/// Move the consumer's position to its least upper bound with `token`
-/// (token text): never backwards. The row is locked until the caller's
-/// transaction ends, and a concurrent acknowledgement that committed first
-/// is joined, not overwritten (READ COMMITTED re-evaluates the new value on
-/// the newest row version). The owner of the row version written (the
-/// caller checks it: a consumer unregistered and registered again by
-/// another role since the caller's check is that role's) and the position
-/// after; None if the consumer no longer exists.
-pub fn advance_consumer(
-    stream: &str,
-    consumer: &str,
-    token: &str,
-) -> Option<(pg_sys::Oid, String)> {
-    consumer_write(
-        "UPDATE streampos.consumer_positions c \
-         SET position = streampos.advance(c.position, \
-               $3::pg_catalog.text::streampos.multi_writer_token), \
-             acked_at = pg_catalog.now() \
-         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
-           AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
-         RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
-        &[TEXT, TEXT, TEXT],
-        &[stream.into(), consumer.into(), token.into()],
-    )
-}
-
-/// As `advance_consumer`, only if `owner` owns the consumer: None
-/// otherwise, without writing or waiting for its row (a row another role
-/// owns does not match, so its lock is never waited for).
-pub fn advance_own_consumer(
-    stream: &str,
-    consumer: &str,
-    token: &str,
-    owner: pg_sys::Oid,
-) -> Option<(pg_sys::Oid, String)> {
-    consumer_write(
-        "UPDATE streampos.consumer_positions c \
-         SET position = streampos.advance(c.position, \
-               $3::pg_catalog.text::streampos.multi_writer_token), \
-             acked_at = pg_catalog.now() \
-         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
-           AND c.consumer_name OPERATOR(pg_catalog.=) $2 \
-           AND c.owner::pg_catalog.oid OPERATOR(pg_catalog.=) $4 \
-         RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text",
-        &[TEXT, TEXT, TEXT, PgOid::BuiltIn(PgBuiltInOids::OIDOID)],
-        &[
-            stream.into(),
-            consumer.into(),
-            token.into(),
-            DatumWithOid::from(owner),
-        ],
-    )
-}
-
 /// A write of one consumer's row (by its primary key) as the extension's
 /// owner, kept for later calls, returning the row's (owner, position
 /// text); None if there was no row.

@@ -75,7 +75,13 @@ enum ColumnKind {
 struct ReadPlan {
     generation: u64,
     as_text: bool,
+    /// What the plan was made for: the registration's columns and types
+    /// (another stream may register the same table with other columns,
+    /// and a registration changes without any relation changing).
+    id_column: String,
+    instance_column: Option<String>,
     columns_of: Vec<String>,
+    types_of: Vec<pg_sys::Oid>,
     /// The ID index, or InvalidOid: the table cannot be read here.
     index: pg_sys::Oid,
     id_attnum: i16,
@@ -135,6 +141,11 @@ pub(super) fn index_read(
     if rel.is_null() {
         return IndexRead::Rows(None);
     }
+    // A lock this transaction held already took no invalidations in: the
+    // relation, its ACL and its children as they are now (read_as_owner
+    // does the same).
+    // SAFETY: processes pending invalidation messages; no ERROR.
+    unsafe { pg_sys::AcceptInvalidationMessages() };
     // SAFETY: `rel` is open and locked.
     let close = || unsafe { pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE) };
     // SAFETY: as above; the form's fields are read while it is open.
@@ -178,8 +189,10 @@ pub(super) fn index_read(
         limit,
     );
     writers.close();
-    // SAFETY: both are open; their locks stay to the end of the transaction.
-    unsafe { pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE) };
+    // SAFETY: both are open. The table's lock stays to the end of the
+    // transaction, as any read's; the index's is released (the statement
+    // took it in a subtransaction that released it).
+    unsafe { pg_sys::index_close(index, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
     close();
     IndexRead::Rows(Some(rows))
 }
@@ -194,7 +207,10 @@ fn read_plan(table: &StreamTable, rel: pg_sys::Relation) -> ReadPlan {
             .filter(|plan| {
                 plan.generation == generation
                     && plan.as_text == as_text
+                    && plan.id_column == table.id_column
+                    && plan.instance_column == table.instance_column
                     && plan.columns_of == table.columns
+                    && plan.types_of == table.types
             })
             .cloned()
     });
@@ -221,14 +237,19 @@ fn make_read_plan(
     let mut plan = ReadPlan {
         generation,
         as_text,
+        id_column: table.id_column.clone(),
+        instance_column: table.instance_column.clone(),
         columns_of: table.columns.clone(),
+        types_of: table.types.clone(),
         index: pg_sys::InvalidOid,
         id_attnum: 0,
         columns: Vec::new(),
         writer: WriterColumn::NotHere,
     };
     // SAFETY: `rel` is open and locked; its descriptor is read in place,
-    // as each PostgreSQL version lays it out (pgrx's reader).
+    // as each PostgreSQL version lays it out (pgrx's reader). A virtual
+    // generated column (PostgreSQL 18) is computed by SQL, not stored: its
+    // table is not read here.
     let attribute = |name: &str| unsafe {
         pgrx::PgTupleDesc::from_pg_unchecked((*rel).rd_att)
             .iter()
@@ -236,6 +257,7 @@ fn make_read_plan(
                 !a.attisdropped
                     && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes()
             })
+            .filter(|a| a.attgenerated as u8 != b'v')
             .map(|a| (a.attnum, a.atttypid, a.attcollation))
     };
     let Some((id_attnum, id_type, _)) = attribute(&table.id_column) else {
@@ -280,7 +302,7 @@ fn column_kind(type_oid: pg_sys::Oid, as_text: bool) -> Option<ColumnKind> {
         pg_sys::TEXTOID | pg_sys::VARCHAROID => return Some(ColumnKind::Text),
         _ => {}
     }
-    if !built_in_type(type_oid) {
+    if !built_in_type(type_oid) || !prints_alike_on_any_path(type_oid) {
         return None;
     }
     match (as_text, bigint_kind(type_oid)) {
@@ -290,26 +312,66 @@ fn column_kind(type_oid: pg_sys::Oid, as_text: bool) -> Option<ColumnKind> {
     }
 }
 
+/// Whether a value of built-in `type_oid` prints the same whatever the
+/// caller's `search_path` (the statement prints with `pg_catalog,
+/// pg_temp`): not an object identifier type that names what it refers to
+/// only as far as it must be qualified (`regclass` and its kind), nor an
+/// array or a composite type (a catalog's row type) that may hold one.
+fn prints_alike_on_any_path(type_oid: pg_sys::Oid) -> bool {
+    // SAFETY: syscache lookups; a missing type is InvalidOid or b'\0'.
+    unsafe {
+        let element = pg_sys::get_element_type(type_oid);
+        let base = if element == pg_sys::InvalidOid {
+            type_oid
+        } else {
+            element
+        };
+        let names_an_object = matches!(
+            base,
+            pg_sys::REGPROCOID
+                | pg_sys::REGPROCEDUREOID
+                | pg_sys::REGOPEROID
+                | pg_sys::REGOPERATOROID
+                | pg_sys::REGCLASSOID
+                | pg_sys::REGTYPEOID
+                | pg_sys::REGCOLLATIONOID
+                | pg_sys::REGCONFIGOID
+                | pg_sys::REGDICTIONARYOID
+                | pg_sys::REGNAMESPACEOID
+                | pg_sys::REGROLEOID
+        );
+        !names_an_object && pg_sys::get_typtype(base) as u8 != pg_sys::TYPTYPE_COMPOSITE
+    }
+}
+
 /// A valid, non-partial B-tree index of `rel` whose first key is column
-/// `attnum` in ascending order with the built-in integer operator family;
-/// InvalidOid if there is none.
+/// `attnum` in ascending order with the built-in integer operator family
+/// (a B-tree family), the one with the fewest keys (rows of one ID then
+/// come in the order a plain index on the ID gives, as the statement's plan
+/// would); InvalidOid if there is none. Each index is opened to read its
+/// relcache entry and its lock released at once: a reader's transaction
+/// does not keep REINDEX waiting on indexes it does not scan.
 fn id_index(rel: pg_sys::Relation, attnum: i16) -> pg_sys::Oid {
-    // SAFETY: the relcache's index list of a locked relation; each index is
-    // opened (and locked, as the planner does) to read its pg_index row,
-    // and closed keeping the lock.
+    let mut best: Option<(i16, pg_sys::Oid)> = None;
+    let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+    // SAFETY: the relcache's index list of a locked relation (a copy,
+    // freed here); each index is opened, read and closed with its lock
+    // released (a lock this transaction held before is only counted down).
     unsafe {
         let list = pg_sys::RelationGetIndexList(rel);
-        if list.is_null() {
-            return pg_sys::InvalidOid;
-        }
-        for i in 0..(*list).length as usize {
+        let count = if list.is_null() {
+            0
+        } else {
+            (*list).length as usize
+        };
+        for i in 0..count {
             let oid = (*(*list).elements.add(i)).oid_value;
-            let index = pg_sys::index_open(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            let index = pg_sys::index_open(oid, lock);
             let form = &*(*index).rd_index;
-            let suits = (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
-                && form.indisvalid
+            let key_count = form.indnkeyatts;
+            let suits = form.indisvalid
                 && !form.indcheckxmin
-                && form.indnkeyatts >= 1
+                && key_count >= 1
                 && *form.indkey.values.as_ptr() == attnum
                 && *(*index).rd_opfamily == pg_sys::INTEGER_BTREE_FAM_OID
                 && (*(*index).rd_indoption as u32 & pg_sys::INDOPTION_DESC) == 0
@@ -318,13 +380,16 @@ fn id_index(rel: pg_sys::Relation, attnum: i16) -> pg_sys::Oid {
                     pg_sys::Anum_pg_index_indpred as i32,
                     std::ptr::null_mut(),
                 );
-            pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-            if suits {
-                return oid;
+            pg_sys::index_close(index, lock);
+            if suits && best.is_none_or(|(keys, _)| key_count < keys) {
+                best = Some((key_count, oid));
             }
         }
-        pg_sys::InvalidOid
+        if !list.is_null() {
+            pg_sys::list_free(list);
+        }
     }
+    best.map_or(pg_sys::InvalidOid, |(_, oid)| oid)
 }
 
 /// The rows in `range` through `index`, at most `limit`: with `writers`,
@@ -356,6 +421,9 @@ fn scan(
         .max()
         .unwrap_or(plan.id_attnum) as i32;
     let mut to_jsonb: Vec<Option<pg_sys::FmgrInfo>> = vec![None; plan.columns.len()];
+    // A memory context for what `to_jsonb` leaves behind, made at its
+    // first call (see `through_to_jsonb`).
+    let mut scratch: Option<pg_sys::MemoryContext> = None;
     // SAFETY: an index scan as the executor's, with the active snapshot
     // (the caller pushed it); the slot and the scan are released below, and
     // by the resource owner if an error ends the transaction. A column's
@@ -413,7 +481,7 @@ fn scan(
                 .zip(to_jsonb.iter_mut())
                 .map(|(&(attnum, type_oid, kind), fmgr)| match value(attnum) {
                     None => Cell::Scalar(null_value()),
-                    Some(datum) => cell(datum, type_oid, kind, fmgr),
+                    Some(datum) => cell(datum, type_oid, kind, fmgr, &mut scratch),
                 })
                 .collect();
             rows.push(UpdateRow {
@@ -423,6 +491,9 @@ fn scan(
         }
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::index_endscan(scan);
+        if let Some(scratch) = scratch {
+            pg_sys::MemoryContextDelete(scratch);
+        }
     }
     rows
 }
@@ -466,7 +537,13 @@ impl Writers {
         let bytes = unsafe {
             let text = pg_sys::pg_detoast_datum_packed(name.cast_mut_ptr());
             let len = pgrx::varlena::varsize_any_exhdr(text);
-            std::slice::from_raw_parts(pgrx::varlena::vardata_any(text).cast::<u8>(), len).to_vec()
+            let bytes =
+                std::slice::from_raw_parts(pgrx::varlena::vardata_any(text).cast::<u8>(), len)
+                    .to_vec();
+            if text.cast() != name.cast_mut_ptr::<std::ffi::c_void>() {
+                pg_sys::pfree(text.cast());
+            }
+            bytes
         };
         if let Some(&id) = self.ids.get(&bytes) {
             return id;
@@ -562,6 +639,7 @@ fn open_instances() -> Option<(pg_sys::Relation, pg_sys::Relation, i16)> {
                 && *(*index).rd_opfamily == pg_sys::TEXT_BTREE_FAM_OID
                 && id_attnum > 0
             {
+                pg_sys::list_free(list);
                 return Some((rel, index, id_attnum));
             }
             pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
@@ -587,6 +665,7 @@ unsafe fn cell(
     type_oid: pg_sys::Oid,
     kind: ColumnKind,
     fmgr: &mut Option<pg_sys::FmgrInfo>,
+    scratch: &mut Option<pg_sys::MemoryContext>,
 ) -> Cell {
     // SAFETY: a zeroed JsonbValue is a valid bit pattern; strings and
     // numerics are palloc'd copies in the current memory context.
@@ -617,13 +696,17 @@ unsafe fn cell(
                 let len = pgrx::varlena::varsize_any_exhdr(text);
                 if len > pg_sys::JENTRY_OFFLENMASK as usize {
                     // to_jsonb's own error for a string too long.
-                    return through_to_jsonb(datum, type_oid, fmgr);
+                    return through_to_jsonb(datum, type_oid, fmgr, scratch);
                 }
                 v.type_ = pg_sys::jbvType::jbvString;
                 v.val.string.len = len as i32;
                 v.val.string.val = pg_sys::pnstrdup(pgrx::varlena::vardata_any(text), len);
+                if text.cast() != datum.cast_mut_ptr::<std::ffi::c_void>() {
+                    // A detoasted copy: only the answer's copy is kept.
+                    pg_sys::pfree(text.cast());
+                }
             }
-            ColumnKind::Other => return through_to_jsonb(datum, type_oid, fmgr),
+            ColumnKind::Other => return through_to_jsonb(datum, type_oid, fmgr, scratch),
         }
         Cell::Scalar(v)
     }
@@ -638,6 +721,7 @@ unsafe fn through_to_jsonb(
     datum: pg_sys::Datum,
     type_oid: pg_sys::Oid,
     fmgr: &mut Option<pg_sys::FmgrInfo>,
+    scratch: &mut Option<pg_sys::MemoryContext>,
 ) -> Cell {
     // SAFETY: fmgr_info of a built-in function; its fn_expr is a FuncExpr
     // whose one argument has the column's type (what get_fn_expr_argtype
@@ -659,6 +743,24 @@ unsafe fn through_to_jsonb(
             info.fn_expr = call.cast();
             info
         });
-        Cell::Jsonb(pg_sys::FunctionCall1Coll(info, pg_sys::InvalidOid, datum))
+        // What the conversion allocates besides its result (output texts,
+        // a detoasted value) goes with the scratch context at once, as the
+        // executor's per-row context would take it.
+        let outer = pg_sys::CurrentMemoryContext;
+        let scratch = *scratch.get_or_insert_with(|| {
+            pg_sys::AllocSetContextCreateInternal(
+                outer,
+                c"streampos index read".as_ptr(),
+                pg_sys::ALLOCSET_DEFAULT_MINSIZE as usize,
+                pg_sys::ALLOCSET_DEFAULT_INITSIZE as usize,
+                pg_sys::ALLOCSET_DEFAULT_MAXSIZE as usize,
+            )
+        });
+        pg_sys::MemoryContextSwitchTo(scratch);
+        let json = pg_sys::FunctionCall1Coll(info, pg_sys::InvalidOid, datum);
+        pg_sys::MemoryContextSwitchTo(outer);
+        let json = pg_sys::Datum::from(pg_sys::pg_detoast_datum_copy(json.cast_mut_ptr()));
+        pg_sys::MemoryContextReset(scratch);
+        Cell::Jsonb(json)
     }
 }

@@ -11,7 +11,8 @@
 //!   that OID at the moment of use, never remembered;
 //! - the catalog tables are written only here, as the extension's owner
 //!   (`as_owner`), never with the caller's privileges: nobody else may write
-//!   them;
+//!   them; `ack()`'s write of a consumer's row (`consumer_row.rs`) needs no
+//!   privileges at all: it is not SQL, and touches that row alone;
 //! - a relation another role may own (a stream's table, Synapse's tables)
 //!   is read only through `read_as_owner`: checked to be a table the caller
 //!   may read, then read as its owner in a security-restricted operation,
@@ -39,6 +40,7 @@
 //! | `index_read.rs` | `updates`' rows read through the ID index, without SQL, where no other role's code can run |
 //! | `worker.rs` | the position worker's locks, stored positions, frontier marks, notifications |
 //! | `adoption.rs` | `adopt_synapse`: Synapse's schema read, the catalog written |
+//! | `consumer_row.rs` | `ack`'s write of a consumer's row, without SQL: found by its key, locked and updated as an `UPDATE` would |
 //! | `consumers.rs` | consumers' rows: registration, acknowledgement, state, floors |
 
 use std::collections::HashMap;
@@ -53,6 +55,7 @@ use crate::error::Error;
 
 mod adoption;
 mod catalog;
+mod consumer_row;
 mod consumers;
 mod followers;
 mod index_read;
@@ -64,6 +67,7 @@ mod worker;
 
 pub use adoption::*;
 pub use catalog::*;
+pub use consumer_row::*;
 pub use consumers::*;
 pub use followers::*;
 pub use index_read::*;

@@ -190,6 +190,87 @@ def test_concurrent_acks_join(connect, pool, stream):
     assert position(db, stream, "c") == f"m2~{w1}.3~{w2}.6"
 
 
+def test_ack_writes_its_row_as_an_update_would(connect, pool, stream):
+    """ack() writes the consumer's row without SQL (src/sql/consumer_row.rs)
+    and must behave as the UPDATE it replaced: refused in a read-only
+    transaction with PostgreSQL's own error; a second ack of the same
+    transaction sees the first; a savepoint rolled back takes its ack with
+    it; under REPEATABLE READ an ack of a row another transaction changed
+    since the snapshot is a serialization failure (40001), under READ
+    COMMITTED it joins the newest version; acked_at is the transaction's
+    start."""
+    db, a, b = connect(), connect(), connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 3)
+    write(db, stream, "w2", 3)
+    register(db, stream, "c", "0")
+    w1, w2 = instance_id(db, "w1"), instance_id(db, "w2")
+    with a.transaction():
+        a.execute("SET TRANSACTION READ ONLY")
+        err = expect_error(a, "SELECT streampos.ack(%s, 'c', '1')", (stream,), "25006")
+        assert err.diag.message_primary == "cannot execute UPDATE in a read-only transaction"
+    assert position(db, stream, "c") == "0"
+    with a.transaction():
+        assert ack(a, stream, "c", f"m1~{w1}.3") == f"m1~{w1}.3"
+        assert ack(a, stream, "c", f"m2~{w2}.6") == f"m2~{w1}.3~{w2}.6"
+        a.execute("SAVEPOINT s")
+        assert ack(a, stream, "c", "6") == "6"
+        a.execute("ROLLBACK TO SAVEPOINT s")
+        started = one(a, "SELECT now()")
+    assert position(db, stream, "c") == f"m2~{w1}.3~{w2}.6"
+    assert one(db, "SELECT acked_at FROM streampos.consumer_positions WHERE stream_name = %s", (stream,)) == started
+    # REPEATABLE READ: b's snapshot is taken, then a commits an ack.
+    b.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    one(b, "SELECT streampos.frontier(%s)", (stream,))
+    ack(a, stream, "c", f"m3~{w2}.6")
+    expect_error(b, "SELECT streampos.ack(%s, 'c', '6')", (stream,), "40001")
+    b.execute("ROLLBACK")
+    assert position(db, stream, "c") == f"m3~{w2}.6"
+    # READ COMMITTED, a's ack uncommitted: b waits, then joins a's.
+    a.execute("BEGIN")
+    ack(a, stream, "c", f"m3~{w1}.4~{w2}.6")
+    pending = pool.submit(ack, b, stream, "c", "5")
+    time.sleep(0.3)
+    assert not pending.done()
+    a.execute("COMMIT")
+    assert pending.result(timeout=10) == f"m5~{w2}.6"
+
+
+def test_many_acks_keep_the_consumers_index_whole(connect, stream):
+    """Many acks of many consumers: row versions fill pages, so some
+    updates cannot stay on their page (not HOT) and put new index entries;
+    every consumer is then found through the primary key and a sequential
+    scan alike, at its last position, and amcheck (when installed) finds
+    the index whole."""
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 40)
+    consumers = [f"c{i:02d}" for i in range(30)]
+    for c in consumers:
+        register(db, stream, c, "0")
+    # An old snapshot keeps every dead version: pages fill up.
+    holder = connect()
+    holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    one(holder, "SELECT 1")
+    rng = random.Random(7)
+    last = {}
+    for _ in range(1500):
+        c = rng.choice(consumers)
+        last[c] = max(last.get(c, 0), rng.randint(1, 40))
+        ack(db, stream, c, str(last[c]))
+    query = ("SELECT consumer_name, position::text FROM streampos.consumer_positions "
+             "WHERE stream_name = %s AND consumer_name = %s")
+    for scan in ("enable_seqscan = off", "enable_indexscan = off, enable_bitmapscan = off"):
+        with db.transaction():
+            for setting in scan.split(", "):
+                db.execute(f"SET LOCAL {setting}")
+            for c in consumers:
+                assert rows(db, query, (stream, c)) == [(c, str(last.get(c, 0)))], (scan, c)
+    if one(db, "SELECT count(*) FROM pg_available_extensions WHERE name = 'amcheck'"):
+        db.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
+        db.execute("SELECT bt_index_check('streampos.consumer_positions_pkey'::regclass, true)")
+
+
 def test_safe_to_delete_is_what_every_consumer_acknowledged(connect, stream):
     db = connect()
     setup_stream(db, stream)

@@ -3,6 +3,7 @@ rows read through its ID index without any statement. Its answers must be
 the row statement's, value for value, and it must never read where the
 statement would refuse, see less, or run another role's code."""
 
+import psycopg
 import pytest
 
 import support
@@ -259,3 +260,99 @@ def test_writers_apart_are_read_as_the_statement_reads_them(connect, stream):
     mismatches = [(t, a, b) for t, a, b in zip([t for t in tokens for _ in (0, 1)], through_index, through_statement)
                   if a != b]
     assert not mismatches, f"{len(mismatches)} answers differ, first: {mismatches[0]}"
+
+
+def test_one_table_in_two_streams_is_read_by_each_streams_columns(connect, stream):
+    """What the index read keeps of a table is kept per registration: the
+    same table registered in two streams by different ID columns, and a
+    registration changed (no relation changes), read in one session."""
+    db = connect()
+    a, b = f"{stream}_a", f"{stream}_b"
+    create_stream(db, a)
+    create_stream(db, b)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, alt_id bigint, w text, v text, body text)")
+    db.execute(f"CREATE INDEX ON {table} (alt_id)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'w')", (a, table))
+    db.execute("SELECT streampos.add_table(%s, %s, 'alt_id', 'w')", (b, table))
+    for i in range(3):
+        db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), streampos.next_id(%s, 'w'), "
+                   f"'w', 'v', %s", (a, b, f"r{i}"))
+    db.execute(f"UPDATE {table} SET alt_id = 4 - alt_id")  # b's IDs run against a's
+    rows_a = one(db, "SELECT streampos.updates(%s, '0')", (a,))["data"][1:]
+    rows_b = one(db, "SELECT streampos.updates(%s, '0')", (b,))["data"][1:]
+    assert [r[0] for r in rows_a] == [1, 2, 3] and [r[4] for r in rows_a] == ["r0", "r1", "r2"]
+    assert [r[1] for r in rows_b] == [1, 2, 3] and [r[4] for r in rows_b] == ["r2", "r1", "r0"]
+    # The instance column changed by a new registration: writers apart are
+    # compared by the new one ('v' names no writer: each row at the minimum).
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'v')", (a, table))
+    assert one(db, "SELECT streampos.updates(%s, '0')", (a,))["data"][1:] == rows_a
+
+
+def test_object_names_print_as_the_statement_prints_them(connect, stream):
+    """regclass and its kind print a name qualified only when the search
+    path does not find it: the statement prints with its own path, and so
+    does every answer, whatever the caller's path."""
+    db = connect()
+    create_stream(db, stream)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, target regclass, "
+               f"targets regclass[], fn regprocedure)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    # The trap fixture's index on every new table sets a search path inside
+    # the statement (to see that nothing of it outlives the statement); the
+    # statement's own path is what is compared here.
+    for (index,) in db.execute("SELECT indexrelid::regclass::text FROM pg_index "
+                               "WHERE indrelid = %s::regclass AND NOT indisprimary", (table,)).fetchall():
+        db.execute(f"DROP INDEX {index}")
+    db.execute(f"CREATE FUNCTION public.{stream}_f() RETURNS int LANGUAGE sql AS 'SELECT 1'")
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', %s::regclass, "
+               f"ARRAY[%s::regclass], 'public.{stream}_f()'::regprocedure",
+               (stream, f"public.{table}", f"public.{table}"))
+    expected = [1, "w", f"public.{table}", [f"public.{table}"], f"public.{stream}_f()"]
+    for path in ("public", "pg_catalog", '"$user", public'):
+        db.execute(f"SET search_path = {path}")
+        assert one(db, "SELECT streampos.updates(%s, '0')", (stream,))["data"][1] == expected, path
+
+
+def test_a_virtual_generated_column_is_computed(connect, stream):
+    """PostgreSQL 18's virtual generated columns are not stored: a row's
+    value is the statement's computation, never the NULL a heap holds."""
+    db = connect()
+    if one(db, "SELECT current_setting('server_version_num')::int") < 180000:
+        pytest.skip("virtual generated columns are PostgreSQL 18's")
+    create_stream(db, stream)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, body text, "
+               f"n int GENERATED ALWAYS AS (length(body)) VIRTUAL)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', 'hello'", (stream,))
+    assert one(db, "SELECT streampos.updates(%s, '0')", (stream,))["data"][1] == [1, "w", "hello", 5]
+
+
+def test_a_change_while_a_transaction_holds_the_tables_lock_is_seen(connect, stream):
+    """A lock the reader's transaction already holds takes no invalidation
+    in: an inheritance child made (it does not wait for the reader) and a
+    privilege revoked while the reader's transaction goes on are seen by
+    its next call, as the statement would see them: the child's rows are
+    read, the revoked reader refused."""
+    db, reader = connect(), connect()
+    create_stream(db, stream)
+    table = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, body text)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    db.execute(f"INSERT INTO {table} SELECT streampos.next_id(%s, 'w'), 'w', 'parent'", (stream,))
+    with reader.transaction():
+        assert one(reader, "SELECT streampos.updates(%s, '0')", (stream,))["data"][1:] == [[1, "w", "parent"]]
+        db.execute(f"CREATE TABLE {stream}_child () INHERITS ({table})")
+        db.execute(f"INSERT INTO {stream}_child SELECT streampos.next_id(%s, 'w'), 'w', 'child'", (stream,))
+        assert one(reader, "SELECT streampos.updates(%s, '0')", (stream,))["data"][1:] == [
+            [1, "w", "parent"], [2, "w", "child"]]
+    role = support.ensure_login_role(READER)
+    db.execute(f"GRANT SELECT ON {table} TO {role}")
+    r = connect(user=role)
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        with r.transaction():
+            assert one(r, "SELECT streampos.updates(%s, '1')", (stream,))["data"][1:] == [[2, "w", "child"]]
+            db.execute(f"REVOKE SELECT ON {table} FROM {role}")
+            r.execute("SELECT streampos.updates(%s, '1')", (stream,))
