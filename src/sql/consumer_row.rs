@@ -226,10 +226,7 @@ unsafe fn find_row(
                 pg_sys::Datum::from(text),
             );
         }
-        #[cfg(feature = "pg18")]
-        let scan = pg_sys::index_beginscan(rel, index, snapshot, std::ptr::null_mut(), 2, 0);
-        #[cfg(not(feature = "pg18"))]
-        let scan = pg_sys::index_beginscan(rel, index, snapshot, 2, 0);
+        let scan = begin_index_scan(rel, index, snapshot, 2);
         pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let found =
             pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot);

@@ -431,7 +431,7 @@ fn scan(
     // before the slot moves on (a string's bytes may be in a shared buffer).
     unsafe {
         let snapshot = pg_sys::GetActiveSnapshot();
-        let scan = begin_scan(rel, index, snapshot, 2);
+        let scan = begin_index_scan(rel, index, snapshot, 2);
         let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
         pg_sys::ScanKeyInit(
             &mut keys[0],
@@ -498,27 +498,6 @@ fn scan(
     rows
 }
 
-/// `index_beginscan` for `nkeys` keys (PostgreSQL 18 added the
-/// instrumentation argument).
-///
-/// # Safety
-/// `rel` and `index` are open and locked; `snapshot` is registered or active.
-unsafe fn begin_scan(
-    rel: pg_sys::Relation,
-    index: pg_sys::Relation,
-    snapshot: pg_sys::Snapshot,
-    nkeys: i32,
-) -> pg_sys::IndexScanDesc {
-    // SAFETY: as the caller promises.
-    unsafe {
-        #[cfg(feature = "pg18")]
-        let scan = pg_sys::index_beginscan(rel, index, snapshot, std::ptr::null_mut(), nkeys, 0);
-        #[cfg(not(feature = "pg18"))]
-        let scan = pg_sys::index_beginscan(rel, index, snapshot, nkeys, 0);
-        scan
-    }
-}
-
 /// The writers of rows read here: each instance name's id in
 /// `streampos.instances` as the active snapshot sees it (what the
 /// statement's subquery finds), looked up once per name and read.
@@ -575,7 +554,7 @@ impl Writers {
                 pg_sys::Oid::from(pg_sys::F_TEXTEQ),
                 pg_sys::Datum::from(key_text),
             );
-            let scan = begin_scan(rel, index, pg_sys::GetActiveSnapshot(), 1);
+            let scan = begin_index_scan(rel, index, pg_sys::GetActiveSnapshot(), 1);
             pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
             let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
             let mut id = None;

@@ -505,6 +505,27 @@ fn select_all<T>(
     })
 }
 
+/// `index_beginscan` for `nkeys` keys (PostgreSQL 18 added the
+/// instrumentation argument).
+///
+/// # Safety
+/// `rel` and `index` are open and locked; `snapshot` is registered or active.
+pub(super) unsafe fn begin_index_scan(
+    rel: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snapshot: pg_sys::Snapshot,
+    nkeys: i32,
+) -> pg_sys::IndexScanDesc {
+    // SAFETY: as the caller promises.
+    unsafe {
+        #[cfg(feature = "pg18")]
+        let scan = pg_sys::index_beginscan(rel, index, snapshot, std::ptr::null_mut(), nkeys, 0);
+        #[cfg(not(feature = "pg18"))]
+        let scan = pg_sys::index_beginscan(rel, index, snapshot, nkeys, 0);
+        scan
+    }
+}
+
 /// `ident` quoted for SQL text when it needs quoting (PostgreSQL's own rule).
 fn quote_ident(ident: &str) -> String {
     let Ok(c) = CString::new(ident) else {
