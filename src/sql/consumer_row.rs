@@ -4,15 +4,19 @@
 //! executor (which cost `ack()` more than Synapse's whole position
 //! `UPDATE`).
 //!
-//! Only the extension's own table is written here, and only as the
-//! statement did: `position` becomes its least upper bound with the token
-//! (`advance`), `acked_at` the transaction's start. What the statement
-//! ran besides is not needed: the table's one trigger,
-//! `catalog_rows_stay_local`, returns the row for the extension's own
-//! writes, and the foreign key to `streams` is not checked again when its
-//! key does not change (PostgreSQL's own rule). The table has no policies;
-//! its indexes are the extension's (a primary key), kept by
-//! `CatalogTupleUpdate` as PostgreSQL keeps its catalogs'.
+//! Only while the table is exactly as the extension made it
+//! (`ConsumerColumns::of`): then the UPDATE would run nothing more than
+//! this file does. Its one trigger, `catalog_rows_stay_local`, returns the
+//! row for the extension's own writes; its foreign key to `streams` is not
+//! deferrable, so the insert of a row was checked when it was made and an
+//! update that leaves the key alone needs no check; it has no policies,
+//! rules, CHECK constraints or generated columns, and its one index is the
+//! primary key, kept by `CatalogTupleUpdate` as PostgreSQL keeps its
+//! catalogs' (no expressions, no predicate: `CatalogIndexInsert` evaluates
+//! neither). A table a superuser changed (another index, a trigger, a
+//! constraint) is written by the UPDATE in `consumers.rs` instead, which
+//! runs all of it. A publication's row filter the replica identity does
+//! not cover refuses the write as it refuses the UPDATE.
 //!
 //! As an `UPDATE` in a function does (SPI, not read-only): the command
 //! counter is advanced and a new snapshot taken (READ COMMITTED: the latest
@@ -36,41 +40,78 @@ pub fn advance_consumer_row(
     token: &Token,
     only_owner: Option<pg_sys::Oid>,
 ) -> Option<(pg_sys::Oid, Token)> {
-    // SAFETY: a read-only transaction is refused before anything is
-    // opened; the snapshot is registered and released on every path (by
+    // SAFETY: PostgreSQL's own refusal of an UPDATE in a read-only
+    // transaction (25006), before anything is opened.
+    unsafe { pg_sys::PreventCommandIfReadOnly(c"UPDATE".as_ptr()) };
+    match advance_directly(stream, consumer, token, only_owner) {
+        Direct::Done(answer) => answer,
+        // The table is not as the extension made it (a superuser's index,
+        // trigger, constraint, rule or policy on it): the UPDATE, which
+        // runs all of that.
+        Direct::NotHere => advance_consumer_statement(
+            stream,
+            consumer,
+            &token.to_text(TokenKind::MultiWriter),
+            only_owner,
+        )
+        .map(|(owner, position)| {
+            (
+                owner,
+                Token::parse(TokenKind::MultiWriter, &position).or_raise(),
+            )
+        }),
+    }
+}
+
+/// What the write without SQL did.
+enum Direct {
+    /// The owner and position written, or None: no such row.
+    Done(Option<(pg_sys::Oid, Token)>),
+    /// The table is not the extension's layout: the statement writes.
+    NotHere,
+}
+
+fn advance_directly(
+    stream: &str,
+    consumer: &str,
+    token: &Token,
+    only_owner: Option<pg_sys::Oid>,
+) -> Direct {
+    // SAFETY: the snapshot is registered and released on every path (by
     // the resource owner on an ERROR); the relation and its index are
     // opened with the locks an UPDATE takes (kept to the end of the
     // transaction) and closed on every path.
     unsafe {
-        pg_sys::PreventCommandIfReadOnly(c"UPDATE".as_ptr());
         let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
-        // The kept OID first; looked up again if it is gone (the extension
-        // made again in this session).
-        let mut rel = match CONSUMER_COLUMNS.with(|k| k.get()) {
-            Some((generation, oid, _)) if generation == relations_generation() => {
-                pg_sys::try_relation_open(oid, lock)
-            }
-            _ => std::ptr::null_mut(),
+        let oid = match CONSUMER_COLUMNS.with(|k| k.get()) {
+            Some((generation, oid, _)) if generation == relations_generation() => Some(oid),
+            _ => consumer_positions_oid(),
         };
+        let Some(oid) = oid else {
+            return Direct::NotHere;
+        };
+        let rel = pg_sys::try_relation_open(oid, lock);
         if rel.is_null() {
-            rel = pg_sys::relation_open(consumer_positions_oid()?, lock);
+            // Dropped since the lookup: the statement looks up the name.
+            return Direct::NotHere;
         }
+        let Some(columns) = ConsumerColumns::kept_or_read(rel) else {
+            pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+            return Direct::NotHere;
+        };
+        // A publication's row filter or column list that the replica
+        // identity does not cover refuses the UPDATE: the same check.
+        pg_sys::CheckCmdReplicaIdentity(rel, pg_sys::CmdType::CMD_UPDATE);
         pg_sys::CommandCounterIncrement();
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot());
-        let answer = match ConsumerColumns::kept_or_read(rel) {
-            Some(columns) => {
-                let index = pg_sys::index_open(columns.key_index, lock);
-                let answer = advance_in(
-                    rel, index, &columns, snapshot, stream, consumer, token, only_owner,
-                );
-                pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-                answer
-            }
-            None => None,
-        };
+        let index = pg_sys::index_open(columns.key_index, lock);
+        let answer = advance_in(
+            rel, index, &columns, snapshot, stream, consumer, token, only_owner,
+        );
+        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         pg_sys::UnregisterSnapshot(snapshot);
-        answer
+        Direct::Done(answer)
     }
 }
 
@@ -128,33 +169,171 @@ impl ConsumerColumns {
         Some(columns)
     }
 
-    /// None if the table is not the extension's layout (a column or the
-    /// primary key on (stream_name, consumer_name) missing).
+    /// None if the table is not exactly as the extension made it: then
+    /// the statement writes, since an UPDATE would run more than this file
+    /// does (an expression or partial index to keep, a trigger, a CHECK
+    /// constraint, a generated column, a rule, a policy).
     ///
     /// # Safety
     /// `rel` is open and locked.
     unsafe fn of(rel: pg_sys::Relation) -> Option<ConsumerColumns> {
-        // SAFETY: as the caller promises; syscache lookups by name.
+        // SAFETY: as the caller promises; syscache lookups; the relcache's
+        // descriptor, triggers and index list read in place.
         unsafe {
+            let form = &*(*rel).rd_rel;
+            let nsp = form.relnamespace;
+            if CStr::from_ptr(form.relname.data.as_ptr()) != c"consumer_positions"
+                || pg_sys::get_namespace_oid(c"streampos".as_ptr(), true) != nsp
+                || form.relkind as u8 != pg_sys::RELKIND_RELATION
+                || form.relam != pg_sys::HEAP_TABLE_AM_OID
+                || form.relhasrules
+                || form.relrowsecurity
+            {
+                return None;
+            }
+            let constraints = (*(*rel).rd_att).constr;
+            if !constraints.is_null() && ((*constraints).num_check > 0 || generated(constraints)) {
+                return None;
+            }
+            if !only_known_triggers((*rel).trigdesc, nsp) {
+                return None;
+            }
             let oid = (*rel).rd_id;
-            let attnum = |name: &CStr| {
+            let column = |name: &CStr, type_oid: pg_sys::Oid| {
                 let n = pg_sys::get_attnum(oid, name.as_ptr());
-                (n > 0).then_some(n)
+                (n > 0 && pg_sys::get_atttype(oid, n) == type_oid).then_some(n)
             };
+            let token_type = type_in(c"multi_writer_token", nsp)?;
             let columns = ConsumerColumns {
-                stream: attnum(c"stream_name")?,
-                consumer: attnum(c"consumer_name")?,
-                owner: attnum(c"owner")?,
-                position: attnum(c"position")?,
-                acked_at: attnum(c"acked_at")?,
-                key_index: {
-                    // Sets rd_pkindex as it reads the relation's indexes.
-                    pg_sys::list_free(pg_sys::RelationGetIndexList(rel));
-                    (*rel).rd_pkindex
-                },
+                stream: column(c"stream_name", pg_sys::TEXTOID)?,
+                consumer: column(c"consumer_name", pg_sys::TEXTOID)?,
+                owner: column(c"owner", pg_sys::REGROLEOID)?,
+                position: column(c"position", token_type)?,
+                acked_at: column(c"acked_at", pg_sys::TIMESTAMPTZOID)?,
+                key_index: pg_sys::InvalidOid,
             };
-            (columns.key_index != pg_sys::InvalidOid).then_some(columns)
+            let key_index = only_the_primary_key(rel, columns.stream, columns.consumer)?;
+            Some(ConsumerColumns {
+                key_index,
+                ..columns
+            })
         }
+    }
+}
+
+/// Whether the table has generated columns (stored, or on PostgreSQL 18
+/// virtual).
+///
+/// # Safety
+/// `constraints` is a relation descriptor's constraints.
+unsafe fn generated(constraints: *mut pg_sys::TupleConstr) -> bool {
+    // SAFETY: as the caller promises.
+    unsafe {
+        #[cfg(feature = "pg18")]
+        let virtual_columns = (*constraints).has_generated_virtual;
+        #[cfg(not(feature = "pg18"))]
+        let virtual_columns = false;
+        (*constraints).has_generated_stored || virtual_columns
+    }
+}
+
+/// The OID of type `name` in namespace `nsp`, or None.
+fn type_in(name: &CStr, nsp: pg_sys::Oid) -> Option<pg_sys::Oid> {
+    // SAFETY: a syscache lookup by name and namespace; InvalidOid if none.
+    let oid = unsafe {
+        pg_sys::GetSysCacheOid(
+            pg_sys::SysCacheIdentifier::TYPENAMENSP as i32,
+            pg_sys::Anum_pg_type_oid as pg_sys::AttrNumber,
+            pg_sys::Datum::from(name.as_ptr()),
+            pg_sys::Datum::from(nsp),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    };
+    (oid != pg_sys::InvalidOid).then_some(oid)
+}
+
+/// Whether the table's triggers are the extension's own: its
+/// `catalog_rows_stay_local` (which returns the row for the extension's
+/// writes) and the foreign key's checks, not deferrable (an UPDATE that
+/// leaves the key alone checks nothing then; a deferrable one could have
+/// a check of a row inserted in this transaction still pending).
+///
+/// # Safety
+/// `triggers` is a relation's trigger descriptor or NULL.
+unsafe fn only_known_triggers(triggers: *mut pg_sys::TriggerDesc, nsp: pg_sys::Oid) -> bool {
+    if triggers.is_null() {
+        return true;
+    }
+    // SAFETY: as the caller promises; each trigger's function looked up in
+    // the syscache (a palloc'd name, or NULL).
+    unsafe {
+        (0..(*triggers).numtriggers as usize).all(|i| {
+            let t = &*(*triggers).triggers.add(i);
+            let function = t.tgfoid;
+            let foreign_key_check = t.tgisinternal
+                && !t.tgdeferrable
+                && (function == pg_sys::Oid::from(pg_sys::F_RI_FKEY_CHECK_INS)
+                    || function == pg_sys::Oid::from(pg_sys::F_RI_FKEY_CHECK_UPD));
+            let name = pg_sys::get_func_name(function);
+            let ours = !name.is_null()
+                && CStr::from_ptr(name) == c"catalog_rows_stay_local"
+                && pg_sys::get_func_namespace(function) == nsp;
+            foreign_key_check || ours
+        })
+    }
+}
+
+/// The primary key's index if it is the table's only index and exactly
+/// the B-tree on (`stream`, `consumer`), immediate, without expressions or
+/// a predicate; else None.
+///
+/// # Safety
+/// `rel` is open and locked.
+unsafe fn only_the_primary_key(
+    rel: pg_sys::Relation,
+    stream: i16,
+    consumer: i16,
+) -> Option<pg_sys::Oid> {
+    // SAFETY: as the caller promises; the index list is a copy, freed; the
+    // index is opened (and closed) to read its relcache entry.
+    unsafe {
+        let list = pg_sys::RelationGetIndexList(rel);
+        let count = if list.is_null() {
+            0
+        } else {
+            (*list).length as usize
+        };
+        let key = (*rel).rd_pkindex;
+        pg_sys::list_free(list);
+        if count != 1 || key == pg_sys::InvalidOid {
+            return None;
+        }
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let index = pg_sys::index_open(key, lock);
+        let form = &*(*index).rd_index;
+        let keys = form.indkey.values.as_ptr();
+        let plain = (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
+            && form.indisunique
+            && form.indimmediate
+            && form.indnatts == 2
+            && form.indnkeyatts == 2
+            && *keys == stream
+            && *keys.add(1) == consumer
+            && *(*index).rd_opfamily == pg_sys::TEXT_BTREE_FAM_OID
+            && *(*index).rd_opfamily.add(1) == pg_sys::TEXT_BTREE_FAM_OID
+            && pg_sys::heap_attisnull(
+                (*index).rd_indextuple,
+                pg_sys::Anum_pg_index_indexprs as i32,
+                std::ptr::null_mut(),
+            )
+            && pg_sys::heap_attisnull(
+                (*index).rd_indextuple,
+                pg_sys::Anum_pg_index_indpred as i32,
+                std::ptr::null_mut(),
+            );
+        pg_sys::index_close(index, lock);
+        plain.then_some(key)
     }
 }
 

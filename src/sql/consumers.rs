@@ -64,6 +64,49 @@ pub fn insert_consumer(
     })
 }
 
+/// `ack`'s write as an UPDATE, where `consumer_row.rs` leaves it to SQL
+/// (the table is not as the extension made it): the consumer's position
+/// becomes its least upper bound with `token` (token text), never
+/// backwards. The row is locked until the caller's transaction ends, and a
+/// concurrent acknowledgement that committed first is joined, not
+/// overwritten (READ COMMITTED re-evaluates the new value on the newest row
+/// version). With `only_owner`, a row another role owns does not match
+/// (it is neither written nor waited for). The owner of the row version
+/// written and the position after (text); None if there is no such row.
+pub fn advance_consumer_statement(
+    stream: &str,
+    consumer: &str,
+    token: &str,
+    only_owner: Option<pg_sys::Oid>,
+) -> Option<(pg_sys::Oid, String)> {
+    const SET_AND_MATCH: &str = "UPDATE streampos.consumer_positions c \
+         SET position = streampos.advance(c.position, \
+               $3::pg_catalog.text::streampos.multi_writer_token), \
+             acked_at = pg_catalog.now() \
+         WHERE c.stream_name OPERATOR(pg_catalog.=) $1 \
+           AND c.consumer_name OPERATOR(pg_catalog.=) $2";
+    const RETURNING: &str = " RETURNING c.owner::pg_catalog.oid, c.position::pg_catalog.text";
+    match only_owner {
+        None => consumer_write(
+            &format!("{SET_AND_MATCH}{RETURNING}"),
+            &[TEXT, TEXT, TEXT],
+            &[stream.into(), consumer.into(), token.into()],
+        ),
+        Some(owner) => consumer_write(
+            &format!(
+                "{SET_AND_MATCH} AND c.owner::pg_catalog.oid OPERATOR(pg_catalog.=) $4{RETURNING}"
+            ),
+            &[TEXT, TEXT, TEXT, PgOid::BuiltIn(PgBuiltInOids::OIDOID)],
+            &[
+                stream.into(),
+                consumer.into(),
+                token.into(),
+                DatumWithOid::from(owner),
+            ],
+        ),
+    }
+}
+
 /// A write of one consumer's row (by its primary key) as the extension's
 /// owner, kept for later calls, returning the row's (owner, position
 /// text); None if there was no row.

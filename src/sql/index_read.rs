@@ -6,8 +6,10 @@
 //! reading as the caller is what `read_as_owner` (the one door for other
 //! roles' relations) would give: a plain heap table (no inheritance
 //! children, no row-level security: no policy to run; not temporary: another
-//! session's would be in its own buffers), columns of built-in types
-//! (their output functions and JSON conversions are PostgreSQL's), and a
+//! session's would be in its own buffers), stored columns of built-in
+//! types that print alike on any search path (their output functions and
+//! JSON conversions are PostgreSQL's; not `regclass` and its kind, which
+//! the statement prints under its pinned path), and a
 //! valid, non-partial B-tree index whose first key is the bigint ID column
 //! with the built-in integer operator family (its comparisons are
 //! PostgreSQL's; no index expression or predicate is evaluated by a scan).
@@ -17,7 +19,8 @@
 //! name, with the same snapshot, as the statement's subquery does, and
 //! compared by `in_range`, as the statement compares it.
 //! Anything else is read by the statement in `followers.rs`.
-//! The caller's privileges are checked exactly as there (`check_may_read`).
+//! The caller is checked with the same checks (`check_may_read`), after
+//! pending invalidations are taken in (its ACL and children as they are now).
 //!
 //! Each value becomes what `jsonb_build_array` makes of it (the statement's
 //! row): booleans, integers and text directly, any other built-in type

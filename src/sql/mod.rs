@@ -21,7 +21,7 @@
 //!   caller (docs/design.md, "Untrusted objects"); the one exception is
 //!   `index_read`, which reads only where no code but PostgreSQL's own can
 //!   run (no policy, no inheritance, built-in types, a plain ID index) and
-//!   checks the caller exactly as `read_as_owner` does;
+//!   checks the caller with `read_as_owner`'s checks;
 //! - what changes the caller's own objects (`setval` on their sequence) runs
 //!   with the caller's privileges.
 //!

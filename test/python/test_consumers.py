@@ -271,6 +271,63 @@ def test_many_acks_keep_the_consumers_index_whole(connect, stream):
         db.execute("SELECT bt_index_check('streampos.consumer_positions_pkey'::regclass, true)")
 
 
+@pytest.mark.parametrize("change, undo", [
+    ("CREATE INDEX ack_trap_expr ON streampos.consumer_positions ((lower(consumer_name)), (acked_at IS NULL))",
+     "DROP INDEX streampos.ack_trap_expr"),
+    ("CREATE INDEX ack_trap_partial ON streampos.consumer_positions (stream_name) WHERE acked_at IS NULL",
+     "DROP INDEX streampos.ack_trap_partial"),
+    ("ALTER TABLE streampos.consumer_positions ADD CONSTRAINT ack_trap_check "
+     "CHECK (acked_at < '2000-01-01') NOT VALID",
+     "ALTER TABLE streampos.consumer_positions DROP CONSTRAINT ack_trap_check"),
+    ("CREATE TABLE public.ack_trap_log (n int); "
+     "CREATE FUNCTION public.ack_trap_audit() RETURNS trigger LANGUAGE plpgsql AS "
+     "$$ BEGIN INSERT INTO public.ack_trap_log VALUES (1); RETURN NULL; END $$; "
+     "CREATE TRIGGER ack_trap_audit AFTER UPDATE ON streampos.consumer_positions "
+     "FOR EACH ROW EXECUTE FUNCTION public.ack_trap_audit()",
+     "DROP TRIGGER ack_trap_audit ON streampos.consumer_positions; DROP FUNCTION public.ack_trap_audit(); "
+     "DROP TABLE public.ack_trap_log"),
+], ids=["expression index", "partial index", "check constraint", "trigger"])
+def test_ack_on_a_consumers_table_a_superuser_changed_runs_the_update(connect, stream, change, undo):
+    """ack() writes its row itself only while streampos.consumer_positions
+    is as the extension made it. A superuser's expression index (which the
+    write without SQL could not keep: a crash), partial index, CHECK
+    constraint or trigger sends ack() to the UPDATE, which keeps, checks
+    and fires them (an adversary's review of the write found each)."""
+    db = connect()
+    setup_stream(db, stream)
+    write(db, stream, "w1", 5)
+    register(db, stream, "c", "0")
+    db.execute(change)
+    try:
+        # Enough acks under an old snapshot that some cannot stay on their
+        # page (new index entries).
+        holder = connect()
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        one(holder, "SELECT 1")
+        if "CHECK" in change:
+            expect_error(db, "SELECT streampos.ack(%s, 'c', '1')", (stream,), "23514")
+            return
+        for i in range(1, 6):
+            for _ in range(40):
+                assert ack(db, stream, "c", str(i)) == str(i)
+        holder.execute("ROLLBACK")
+        if "partial" in change:
+            with db.transaction():
+                db.execute("SET LOCAL enable_seqscan = off")
+                assert rows(db, "SELECT consumer_name FROM streampos.consumer_positions "
+                                "WHERE stream_name = %s AND acked_at IS NULL", (stream,)) == []
+        if "audit" in change:
+            assert one(db, "SELECT count(*) FROM public.ack_trap_log") == 200
+        if one(db, "SELECT count(*) FROM pg_available_extensions WHERE name = 'amcheck'"):
+            db.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
+            for (index,) in rows(db, "SELECT indexrelid::regclass::text FROM pg_index "
+                                     "WHERE indrelid = 'streampos.consumer_positions'::regclass"):
+                db.execute("SELECT bt_index_check(%s::regclass, true)", (index,))
+        assert position(db, stream, "c") == "5"
+    finally:
+        db.execute(undo)
+
+
 def test_safe_to_delete_is_what_every_consumer_acknowledged(connect, stream):
     db = connect()
     setup_stream(db, stream)
