@@ -85,7 +85,7 @@ fn advance_directly(
         let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
         let oid = match CONSUMER_COLUMNS.with(|k| k.get()) {
             Some((generation, oid, _)) if generation == relations_generation() => Some(oid),
-            _ => consumer_positions_oid(),
+            _ => catalog_table(c"consumer_positions"),
         };
         let Some(oid) = oid else {
             return Direct::NotHere;
@@ -112,17 +112,6 @@ fn advance_directly(
         pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         pg_sys::UnregisterSnapshot(snapshot);
         Direct::Done(answer)
-    }
-}
-
-/// `streampos.consumer_positions`, or None (the extension is being
-/// dropped in this transaction).
-fn consumer_positions_oid() -> Option<pg_sys::Oid> {
-    // SAFETY: syscache lookups; InvalidOid when missing, no ERROR.
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
-        let oid = pg_sys::get_relname_relid(c"consumer_positions".as_ptr(), nsp);
-        (nsp != pg_sys::InvalidOid && oid != pg_sys::InvalidOid).then_some(oid)
     }
 }
 
@@ -295,17 +284,12 @@ unsafe fn only_the_primary_key(
     stream: i16,
     consumer: i16,
 ) -> Option<pg_sys::Oid> {
-    // SAFETY: as the caller promises; the index list is a copy, freed; the
-    // index is opened (and closed) to read its relcache entry.
+    // SAFETY: as the caller promises; the index is opened (and closed) to
+    // read its relcache entry.
     unsafe {
-        let list = pg_sys::RelationGetIndexList(rel);
-        let count = if list.is_null() {
-            0
-        } else {
-            (*list).length as usize
-        };
+        // Reading the index list sets rd_pkindex.
+        let count = index_oids(rel).len();
         let key = (*rel).rd_pkindex;
-        pg_sys::list_free(list);
         if count != 1 || key == pg_sys::InvalidOid {
             return None;
         }
@@ -388,23 +372,14 @@ unsafe fn find_row(
     stream: &str,
     consumer: &str,
 ) -> bool {
-    // SAFETY: as the caller promises; the keys' texts are palloc'd in the
-    // current memory context, which outlives the scan.
+    // SAFETY: as the caller promises (the primary key on (stream_name,
+    // consumer_name), checked by `ConsumerColumns::of`); the keys' texts
+    // are palloc'd in the current memory context, which outlives the scan.
     unsafe {
-        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
-        for (i, value) in [stream, consumer].into_iter().enumerate() {
-            let text = pg_sys::cstring_to_text_with_len(value.as_ptr().cast(), value.len() as i32);
-            pg_sys::ScanKeyEntryInitialize(
-                &mut keys[i],
-                0,
-                i as i16 + 1,
-                pg_sys::BTEqualStrategyNumber as u16,
-                pg_sys::InvalidOid,
-                *(*index).rd_indcollation.add(i),
-                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                pg_sys::Datum::from(text),
-            );
-        }
+        let mut keys = [
+            text_equality_key(index, 1, stream.as_bytes()),
+            text_equality_key(index, 2, consumer.as_bytes()),
+        ];
         let scan = begin_index_scan(rel, index, snapshot, 2);
         pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let found =
@@ -493,16 +468,13 @@ unsafe fn owner_of(slot: *mut pg_sys::TupleTableSlot, columns: &ConsumerColumns)
 /// # Safety
 /// As `owner_of`.
 unsafe fn text_equals(slot: *mut pg_sys::TupleTableSlot, attnum: i16, value: &str) -> bool {
-    // SAFETY: as the caller promises; the detoasted copy is read in place.
+    // SAFETY: as the caller promises.
     unsafe {
         let i = attnum as usize - 1;
-        if *(*slot).tts_isnull.add(i) {
-            return false;
-        }
-        let text = pg_sys::pg_detoast_datum_packed((*(*slot).tts_values.add(i)).cast_mut_ptr());
-        let len = pgrx::varlena::varsize_any_exhdr(text);
-        std::slice::from_raw_parts(pgrx::varlena::vardata_any(text).cast::<u8>(), len)
-            == value.as_bytes()
+        !*(*slot).tts_isnull.add(i)
+            && with_text_bytes(*(*slot).tts_values.add(i), |bytes| {
+                bytes == value.as_bytes()
+            })
     }
 }
 

@@ -195,17 +195,10 @@ fn row_statement(table: &StreamTable, name: &str, simple: bool) -> std::rc::Rc<s
 /// Lock `streampos.instances` for reading (what `update_rows`' statements
 /// join), for the rest of the transaction.
 fn lock_instances_table() {
-    // SAFETY: syscache lookups (InvalidOid when missing), then a lock as
-    // any read takes.
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return;
-        }
-        let rel = pg_sys::get_relname_relid(c"instances".as_ptr(), nsp);
-        if rel != pg_sys::InvalidOid {
-            pg_sys::LockRelationOid(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-        }
+    if let Some(rel) = catalog_table(c"instances") {
+        // SAFETY: a lock as any read takes, kept to the end of the
+        // transaction.
+        unsafe { pg_sys::LockRelationOid(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
     }
 }
 

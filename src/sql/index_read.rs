@@ -357,18 +357,11 @@ fn prints_alike_on_any_path(type_oid: pg_sys::Oid) -> bool {
 fn id_index(rel: pg_sys::Relation, attnum: i16) -> pg_sys::Oid {
     let mut best: Option<(i16, pg_sys::Oid)> = None;
     let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-    // SAFETY: the relcache's index list of a locked relation (a copy,
-    // freed here); each index is opened, read and closed with its lock
-    // released (a lock this transaction held before is only counted down).
+    // SAFETY: the indexes of a locked relation; each is opened, read and
+    // closed with its lock released (a lock this transaction held before is
+    // only counted down).
     unsafe {
-        let list = pg_sys::RelationGetIndexList(rel);
-        let count = if list.is_null() {
-            0
-        } else {
-            (*list).length as usize
-        };
-        for i in 0..count {
-            let oid = (*(*list).elements.add(i)).oid_value;
+        for oid in index_oids(rel) {
             let index = pg_sys::index_open(oid, lock);
             let form = &*(*index).rd_index;
             let key_count = form.indnkeyatts;
@@ -387,9 +380,6 @@ fn id_index(rel: pg_sys::Relation, attnum: i16) -> pg_sys::Oid {
             if suits && best.is_none_or(|(keys, _)| key_count < keys) {
                 best = Some((key_count, oid));
             }
-        }
-        if !list.is_null() {
-            pg_sys::list_free(list);
         }
     }
     best.map_or(pg_sys::InvalidOid, |(_, oid)| oid)
@@ -516,17 +506,7 @@ impl Writers {
     /// instance has that name (the row is compared at the tokens' minimum).
     fn id_of(&mut self, name: pg_sys::Datum) -> Option<i32> {
         // SAFETY: `name` is a text or varchar value of a row in the slot.
-        let bytes = unsafe {
-            let text = pg_sys::pg_detoast_datum_packed(name.cast_mut_ptr());
-            let len = pgrx::varlena::varsize_any_exhdr(text);
-            let bytes =
-                std::slice::from_raw_parts(pgrx::varlena::vardata_any(text).cast::<u8>(), len)
-                    .to_vec();
-            if text.cast() != name.cast_mut_ptr::<std::ffi::c_void>() {
-                pg_sys::pfree(text.cast());
-            }
-            bytes
-        };
+        let bytes = unsafe { with_text_bytes(name, <[u8]>::to_vec) };
         if let Some(&id) = self.ids.get(&bytes) {
             return id;
         }
@@ -540,23 +520,10 @@ impl Writers {
             self.opened = open_instances();
         }
         let (rel, index, id_attnum) = self.opened?;
-        // SAFETY: both are open and locked; the key is a text datum in the
-        // current memory context; the tuple's values are read while the
-        // slot holds it.
+        // SAFETY: both are open and locked, the index on the name alone;
+        // the tuple's values are read while the slot holds it.
         unsafe {
-            let key_text =
-                pg_sys::cstring_to_text_with_len(name.as_ptr().cast(), name.len() as i32);
-            let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
-            pg_sys::ScanKeyEntryInitialize(
-                &mut key,
-                0,
-                1,
-                pg_sys::BTEqualStrategyNumber as u16,
-                pg_sys::InvalidOid,
-                *(*index).rd_indcollation,
-                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                pg_sys::Datum::from(key_text),
-            );
+            let mut key = text_equality_key(index, 1, name);
             let scan = begin_index_scan(rel, index, pg_sys::GetActiveSnapshot(), 1);
             pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
             let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
@@ -591,26 +558,14 @@ impl Writers {
 /// if any is missing (then no name has an id, as the statement would
 /// fail to find it; it cannot happen while the extension is installed).
 fn open_instances() -> Option<(pg_sys::Relation, pg_sys::Relation, i16)> {
-    // SAFETY: syscache lookups (InvalidOid when missing), then the relation
-    // and its indexes opened with the lock a read takes; each index not
-    // kept is closed.
+    let oid = catalog_table(c"instances")?;
+    // SAFETY: the relation and its indexes opened with the lock a read
+    // takes; each index not kept is closed.
     unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"streampos".as_ptr(), true);
-        let oid = pg_sys::get_relname_relid(c"instances".as_ptr(), nsp);
-        if nsp == pg_sys::InvalidOid || oid == pg_sys::InvalidOid {
-            return None;
-        }
         let rel = pg_sys::relation_open(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         let name_attnum = pg_sys::get_attnum(oid, c"instance_name".as_ptr());
         let id_attnum = pg_sys::get_attnum(oid, c"instance_id".as_ptr());
-        let list = pg_sys::RelationGetIndexList(rel);
-        let count = if list.is_null() {
-            0
-        } else {
-            (*list).length as usize
-        };
-        for i in 0..count {
-            let index_oid = (*(*list).elements.add(i)).oid_value;
+        for index_oid in index_oids(rel) {
             let index = pg_sys::index_open(index_oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
             let form = &*(*index).rd_index;
             if (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
@@ -621,7 +576,6 @@ fn open_instances() -> Option<(pg_sys::Relation, pg_sys::Relation, i16)> {
                 && *(*index).rd_opfamily == pg_sys::TEXT_BTREE_FAM_OID
                 && id_attnum > 0
             {
-                pg_sys::list_free(list);
                 return Some((rel, index, id_attnum));
             }
             pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
@@ -674,19 +628,22 @@ unsafe fn cell(
                 v.val.string.val = pg_sys::pnstrdup(text.as_ptr().cast(), text.len());
             }
             ColumnKind::Text => {
-                let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
-                let len = pgrx::varlena::varsize_any_exhdr(text);
-                if len > pg_sys::JENTRY_OFFLENMASK as usize {
-                    // to_jsonb's own error for a string too long.
+                // Only the answer's copy is kept (not a detoasted one).
+                let copied = with_text_bytes(datum, |bytes| {
+                    (bytes.len() <= pg_sys::JENTRY_OFFLENMASK as usize).then(|| {
+                        (
+                            bytes.len(),
+                            pg_sys::pnstrdup(bytes.as_ptr().cast(), bytes.len()),
+                        )
+                    })
+                });
+                // Too long for jsonb: to_jsonb's own error.
+                let Some((len, copy)) = copied else {
                     return through_to_jsonb(datum, type_oid, fmgr, scratch);
-                }
+                };
                 v.type_ = pg_sys::jbvType::jbvString;
                 v.val.string.len = len as i32;
-                v.val.string.val = pg_sys::pnstrdup(pgrx::varlena::vardata_any(text), len);
-                if text.cast() != datum.cast_mut_ptr::<std::ffi::c_void>() {
-                    // A detoasted copy: only the answer's copy is kept.
-                    pg_sys::pfree(text.cast());
-                }
+                v.val.string.val = copy;
             }
             ColumnKind::Other => return through_to_jsonb(datum, type_oid, fmgr, scratch),
         }

@@ -526,6 +526,77 @@ pub(super) unsafe fn begin_index_scan(
     }
 }
 
+/// The OIDs of `rel`'s indexes (the relcache's list, copied and freed).
+///
+/// # Safety
+/// `rel` is open and locked.
+pub(super) unsafe fn index_oids(rel: pg_sys::Relation) -> Vec<pg_sys::Oid> {
+    // SAFETY: as the caller promises; the list is a copy the caller owns.
+    unsafe {
+        let list = pg_sys::RelationGetIndexList(rel);
+        if list.is_null() {
+            return Vec::new();
+        }
+        let oids = (0..(*list).length as usize)
+            .map(|i| (*(*list).elements.add(i)).oid_value)
+            .collect();
+        pg_sys::list_free(list);
+        oids
+    }
+}
+
+/// An equality scan key on text key column `attno` of B-tree `index`
+/// (its collation) for `value`, a text value made in the current memory
+/// context.
+///
+/// # Safety
+/// `index` is open; `attno` is one of its key columns, of text_ops.
+pub(super) unsafe fn text_equality_key(
+    index: pg_sys::Relation,
+    attno: i16,
+    value: &[u8],
+) -> pg_sys::ScanKeyData {
+    // SAFETY: as the caller promises; a zeroed ScanKeyData is plain data,
+    // filled by ScanKeyEntryInitialize.
+    unsafe {
+        let text = pg_sys::cstring_to_text_with_len(value.as_ptr().cast(), value.len() as i32);
+        let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
+        pg_sys::ScanKeyEntryInitialize(
+            &mut key,
+            0,
+            attno,
+            pg_sys::BTEqualStrategyNumber as u16,
+            pg_sys::InvalidOid,
+            *(*index).rd_indcollation.add(attno as usize - 1),
+            pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+            pg_sys::Datum::from(text),
+        );
+        key
+    }
+}
+
+/// `f` of the bytes of text or varchar value `datum`, detoasted if it must
+/// be; a detoasted copy is freed once `f` returns.
+///
+/// # Safety
+/// `datum` is a non-null text or varchar value, valid for the call.
+pub(super) unsafe fn with_text_bytes<T>(datum: pg_sys::Datum, f: impl FnOnce(&[u8]) -> T) -> T {
+    // SAFETY: as the caller promises; the detoasted value is read in place
+    // while `f` runs, then freed if it is a copy.
+    unsafe {
+        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        let len = pgrx::varlena::varsize_any_exhdr(text);
+        let value = f(std::slice::from_raw_parts(
+            pgrx::varlena::vardata_any(text).cast::<u8>(),
+            len,
+        ));
+        if text.cast() != datum.cast_mut_ptr::<std::ffi::c_void>() {
+            pg_sys::pfree(text.cast());
+        }
+        value
+    }
+}
+
 /// `ident` quoted for SQL text when it needs quoting (PostgreSQL's own rule).
 fn quote_ident(ident: &str) -> String {
     let Ok(c) = CString::new(ident) else {
