@@ -228,6 +228,16 @@ CREATE FUNCTION updates(
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'updates_v3_wrapper';
+CREATE FUNCTION updates_json(
+	"stream" TEXT,
+	"since" multi_writer_token DEFAULT NULL,
+	"max_rows" INT DEFAULT 100,
+	"timeout_ms" INT DEFAULT 0,
+	"consumer" TEXT DEFAULT NULL
+) RETURNS json
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'updates_json_wrapper';
 CREATE FUNCTION register_consumer(
 	"stream" TEXT,
 	"consumer" TEXT,
@@ -421,6 +431,8 @@ COMMENT ON FUNCTION wait_for_consumer(text, text, integer) IS
     'Sleep until the stream moves past the consumer''s acknowledged position or the timeout passes; returns the current token';
 COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer, text) IS
     'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
+COMMENT ON FUNCTION updates_json(text, multi_writer_token, integer, integer, text) IS
+    'updates() as json: the same answer''s text, written once instead of printed from jsonb';
 COMMENT ON TABLE consumer_positions IS
     'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
 COMMENT ON TABLE consumer_floors IS

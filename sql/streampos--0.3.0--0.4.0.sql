@@ -14,6 +14,21 @@ ALTER TABLE streampos.consumer_positions DROP CONSTRAINT consumer_positions_cons
 UPDATE pg_catalog.pg_type SET typispreferred = true
 WHERE oid OPERATOR(pg_catalog.=) 'streampos.multi_writer_token'::pg_catalog.regtype;
 
+-- updates() as json: the same answer's text, written once by the call
+-- (jsonb is printed character by character each time it is sent).
+CREATE FUNCTION streampos.updates_json(
+	"stream" TEXT,
+	"since" streampos.multi_writer_token DEFAULT NULL,
+	"max_rows" INT DEFAULT 100,
+	"timeout_ms" INT DEFAULT 0,
+	"consumer" TEXT DEFAULT NULL
+) RETURNS json
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'updates_json_wrapper';
+COMMENT ON FUNCTION streampos.updates_json(text, streampos.multi_writer_token, integer, integer, text) IS
+    'updates() as json: the same answer''s text, written once instead of printed from jsonb';
+
 -- What a prepared transaction may hold rows of (src/prepared.rs): the
 -- lowest ID of every hold given out in the database when it was prepared,
 -- per stream and writer (instance 0: every writer). Its own rows, gone with

@@ -1,7 +1,8 @@
 // streampos from JavaScript (node-postgres), nothing but SQL: two writers
 // allocate IDs in the transactions that write their rows, a follower reads
-// every row with updates() and its token, and a consumer reads batches
-// with updates(consumer => …) and acknowledges each in the same
+// every row with updates_json() (updates() as json: cheaper to send, and
+// node-postgres parses both alike) and its token, and a consumer reads
+// batches with updates_json(consumer => …) and acknowledges each in the same
 // transaction, holding the consumers' advisory lock as the Python client
 // does. At the end every row must have reached the follower and the
 // consumer exactly once. README, "From any language".
@@ -97,7 +98,7 @@ async function follow(run) {
   let token = '0';
   try {
     while (going(run, seen.length)) {
-      const res = await client.query('SELECT streampos.updates($1, $2, 100, 1000) AS answer', [STREAM, token]);
+      const res = await client.query('SELECT streampos.updates_json($1, $2, 100, 1000) AS answer', [STREAM, token]);
       const answer = res.rows[0].answer;
       for (const row of rowsOf(answer)) {
         seen.push(BigInt(row.id));
@@ -125,7 +126,7 @@ async function consume(run) {
     while (going(run, processed.length)) {
       await client.query('BEGIN');
       const res = await client.query(
-        'SELECT streampos.updates($1, consumer => $2, max_rows => 50, timeout_ms => 1000) AS answer',
+        'SELECT streampos.updates_json($1, consumer => $2, max_rows => 50, timeout_ms => 1000) AS answer',
         [STREAM, CONSUMER]);
       const answer = res.rows[0].answer;
       const batch = rowsOf(answer).map((row) => BigInt(row.id));

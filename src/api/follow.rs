@@ -333,6 +333,34 @@ fn updates_v3(
     timeout_ms: default!(Option<i32>, 0),
     consumer: default!(Option<&str>, "NULL"),
 ) -> Option<JsonbDatum> {
+    updates_call(stream, since, max_rows, timeout_ms, consumer, false).map(JsonbDatum)
+}
+
+/// `updates()`' answer as json: the text `jsonb_out` prints for it, written
+/// once by the call instead of printed from jsonb when it is sent (the
+/// cheaper answer for a client that parses the text anyway). Declared in
+/// sql/finalize.sql, as `updates`.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn updates_json(
+    stream: Option<&str>,
+    since: default!(Option<MultiWriterToken>, "NULL"),
+    max_rows: default!(Option<i32>, 100),
+    timeout_ms: default!(Option<i32>, 0),
+    consumer: default!(Option<&str>, "NULL"),
+) -> Option<JsonDatum> {
+    updates_call(stream, since, max_rows, timeout_ms, consumer, true).map(JsonDatum)
+}
+
+/// `updates` or `updates_json`: from `since` or from the consumer's
+/// acknowledged position (one of the two).
+fn updates_call(
+    stream: Option<&str>,
+    since: Option<MultiWriterToken>,
+    max_rows: Option<i32>,
+    timeout_ms: Option<i32>,
+    consumer: Option<&str>,
+    as_json_text: bool,
+) -> Option<pg_sys::Datum> {
     let (stream, max_rows, timeout_ms) = (stream?, max_rows?, timeout_ms?);
     let since = match (since, consumer) {
         (Some(_), Some(_)) => Error::InvalidArgument {
@@ -358,19 +386,25 @@ fn updates_v3(
         }
         .report(),
     };
-    Some(follow(stream, since, max_rows, timeout_ms))
+    Some(follow(stream, since, max_rows, timeout_ms, as_json_text))
 }
 
 /// 0.2.0's `updates(stream, since, max_rows, timeout_ms)`, STRICT: what a
 /// database not yet updated to 0.3.0 calls with this library.
 #[pg_extern(volatile, strict, parallel_unsafe, sql = false)]
 fn updates(stream: &str, since: MultiWriterToken, max_rows: i32, timeout_ms: i32) -> JsonbDatum {
-    follow(stream, since.0, max_rows, timeout_ms)
+    JsonbDatum(follow(stream, since.0, max_rows, timeout_ms, false))
 }
 
 /// One `updates()` answer: rows after `since`, at most `max_rows`, waiting
-/// at most `timeout_ms` for some.
-fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDatum {
+/// at most `timeout_ms` for some; jsonb, or json with `as_json_text`.
+fn follow(
+    stream: &str,
+    since: Token,
+    max_rows: i32,
+    timeout_ms: i32,
+    as_json_text: bool,
+) -> pg_sys::Datum {
     let meta = catalog::stream(stream).or_raise();
     if meta.backwards {
         Error::InvalidState {
@@ -416,7 +450,7 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
     if until.is_before_or_eq(&since) {
         // Nothing past `since` (a caught-up follower, the most frequent
         // call): no row can be in range, and no table is read.
-        let answer = JsonbDatum(with_row_snapshot(|| {
+        let answer = with_row_snapshot(|| {
             let tables = catalog::stream_tables(stream);
             let rows: Vec<Option<Vec<sql::UpdateRow>>> =
                 tables.iter().map(|_| Some(Vec::new())).collect();
@@ -426,8 +460,9 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
                 &since.to_text(TokenKind::MultiWriter),
                 since.max_stream_pos(),
                 false,
+                as_json_text,
             )
-        }));
+        });
         answered_updates(meta.key);
         return answer;
     }
@@ -448,10 +483,11 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
         // position in `since`, at or below each one's in `until`.
         every_writer_above: since.max_stream_pos(),
         every_writer_up_to: until.stream(),
+        as_json_text,
     };
     // One snapshot for every read (any snapshot that sees the token's
     // commits sees the same rows below it).
-    let answer = JsonbDatum(with_row_snapshot(|| {
+    let answer = with_row_snapshot(|| {
         // The stream's tables as this snapshot sees them: a table added
         // while the follower waited is read too (its rows below the new
         // token would otherwise be passed for good).
@@ -500,8 +536,9 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
             &token.to_text(TokenKind::MultiWriter),
             token.max_stream_pos(),
             limited,
+            as_json_text,
         )
-    }));
+    });
     answered_updates(meta.key);
     answer
 }
@@ -509,31 +546,44 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32) -> JsonbDa
 /// A jsonb value built by PostgreSQL, returned as it is.
 pub struct JsonbDatum(pg_sys::Datum);
 
-impl pgrx::IntoDatum for JsonbDatum {
-    fn into_datum(self) -> Option<pg_sys::Datum> {
-        Some(self.0)
-    }
-    fn type_oid() -> pg_sys::Oid {
-        pg_sys::JSONBOID
-    }
+/// A json value (its text) built here, returned as it is.
+pub struct JsonDatum(pg_sys::Datum);
+
+/// A datum returned as it is, of the SQL type its wrapper names.
+macro_rules! datum_as_is {
+    ($wrapper:ident, $type_oid:expr, $sql:literal) => {
+        impl pgrx::IntoDatum for $wrapper {
+            fn into_datum(self) -> Option<pg_sys::Datum> {
+                Some(self.0)
+            }
+            fn type_oid() -> pg_sys::Oid {
+                $type_oid
+            }
+        }
+
+        // SAFETY: the datum is a value of that type in the function's
+        // memory context.
+        unsafe impl pgrx::callconv::BoxRet for $wrapper {
+            unsafe fn box_into<'fcx>(
+                self,
+                fcinfo: &mut pgrx::callconv::FcInfo<'fcx>,
+            ) -> pgrx::datum::Datum<'fcx> {
+                // SAFETY: as above.
+                unsafe { fcinfo.return_raw_datum(self.0) }
+            }
+        }
+
+        // SAFETY: maps to the SQL type the datum is.
+        unsafe impl SqlTranslatable for $wrapper {
+            const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!($wrapper);
+            const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
+            const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> =
+                Ok(SqlMappingRef::literal($sql));
+            const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
+                Ok(ReturnsRef::One(SqlMappingRef::literal($sql)));
+        }
+    };
 }
 
-// SAFETY: the datum is a jsonb varlena in the function's memory context.
-unsafe impl pgrx::callconv::BoxRet for JsonbDatum {
-    unsafe fn box_into<'fcx>(
-        self,
-        fcinfo: &mut pgrx::callconv::FcInfo<'fcx>,
-    ) -> pgrx::datum::Datum<'fcx> {
-        // SAFETY: as above.
-        unsafe { fcinfo.return_raw_datum(self.0) }
-    }
-}
-
-// SAFETY: maps to the SQL type jsonb, which the datum is.
-unsafe impl SqlTranslatable for JsonbDatum {
-    const TYPE_IDENT: &'static str = pgrx::pgrx_resolved_type!(JsonbDatum);
-    const TYPE_ORIGIN: TypeOrigin = TypeOrigin::External;
-    const ARGUMENT_SQL: Result<SqlMappingRef, ArgumentError> = Ok(SqlMappingRef::literal("jsonb"));
-    const RETURN_SQL: Result<ReturnsRef, ReturnsError> =
-        Ok(ReturnsRef::One(SqlMappingRef::literal("jsonb")));
-}
+datum_as_is!(JsonbDatum, pg_sys::JSONBOID, "jsonb");
+datum_as_is!(JsonDatum, pg_sys::JSONOID, "json");

@@ -1,5 +1,6 @@
 //! What `updates` reads: the rows in range of each stream table, as JSON.
 
+use super::json_text::JsonText;
 use super::*;
 
 thread_local! {
@@ -255,14 +256,31 @@ fn json_column(column: &str, type_oid: pg_sys::Oid) -> String {
 /// oldest first. Built as jsonb directly in PostgreSQL's memory (rows can
 /// be large: an answer beyond what PostgreSQL can hold is its ERROR, never
 /// an abort), each row's jsonb copied in by jsonb's own iterator: no text
-/// printed and parsed again.
+/// printed and parsed again. With `as_json_text` (`updates_json`): the
+/// text `jsonb_out` prints for that jsonb, written at once (`json_text.rs`).
 pub fn updates_answer(
     tables: &[StreamTable],
     rows: &[Option<Vec<UpdateRow>>],
     token: &str,
     position: i64,
     limited: bool,
+    as_json_text: bool,
 ) -> pg_sys::Datum {
+    if as_json_text {
+        // jsonb prints an object's keys shortest first.
+        let mut answer = TextAnswer {
+            text: JsonText::new(true),
+            first: true,
+        };
+        answer.text.push(b"{\"data\": ");
+        data_array(&mut answer, tables, rows, position);
+        answer.text.push(b", \"token\": ");
+        answer.text.string(token.as_bytes());
+        answer.text.push(b", \"limited\": ");
+        answer.text.boolean(limited);
+        answer.text.push(b"}");
+        return answer.text.into_text_datum();
+    }
     let mut answer = JsonbBuilder::new();
     answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_OBJECT, None);
     answer.key("token");
@@ -270,41 +288,142 @@ pub fn updates_answer(
     answer.key("limited");
     answer.boolean(limited);
     answer.key("data");
-    answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
-    let elem = pg_sys::JsonbIteratorToken::WJB_ELEM;
+    data_array(&mut answer, tables, rows, position);
+    answer.finish(pg_sys::JsonbIteratorToken::WJB_END_OBJECT)
+}
+
+/// What the answer's "data" array is written to.
+trait DataArray {
+    fn begin_array(&mut self);
+    fn end_array(&mut self);
+    fn string(&mut self, text: &str);
+    fn number(&mut self, n: i64);
+    fn row(&mut self, row: &UpdateRow);
+}
+
+/// The answer's "data" array (see `updates_answer`).
+fn data_array(
+    out: &mut impl DataArray,
+    tables: &[StreamTable],
+    rows: &[Option<Vec<UpdateRow>>],
+    position: i64,
+) {
+    out.begin_array();
     for (table, rows) in tables.iter().zip(rows) {
         let Some(rows) = rows else { continue };
-        answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
-        answer.string(elem, &table.name);
+        out.begin_array();
+        out.string(&table.name);
         if crate::guc::JSON_BIGINT_AS_STRING.get() {
-            answer.string(elem, &position.to_string());
+            out.string(&position.to_string());
         } else {
-            answer.number(position);
+            out.number(position);
         }
-        answer.number(rows.len() as i64);
-        answer.number(table.columns.len() as i64);
+        out.number(rows.len() as i64);
+        out.number(table.columns.len() as i64);
         for column in &table.columns {
-            answer.string(elem, column);
+            out.string(column);
         }
-        answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
+        out.end_array();
         for row in rows {
-            match &row.json {
-                RowJson::Jsonb(datum) => answer.jsonb(*datum),
-                RowJson::Cells(cells) => {
-                    answer.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
-                    for cell in cells {
-                        match *cell {
-                            Cell::Scalar(value) => answer.scalar(elem, value),
-                            Cell::Jsonb(datum) => answer.jsonb(datum),
-                        }
-                    }
-                    answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
-                }
+            out.row(row);
+        }
+    }
+    out.end_array();
+}
+
+/// The answer as JSON text: elements apart by ", ", as `jsonb_out` prints.
+struct TextAnswer {
+    text: JsonText,
+    /// No element yet in the array being written.
+    first: bool,
+}
+
+impl TextAnswer {
+    fn element(&mut self) {
+        if !self.first {
+            self.text.push(b", ");
+        }
+        self.first = false;
+    }
+}
+
+impl DataArray for TextAnswer {
+    fn begin_array(&mut self) {
+        self.element();
+        self.text.push(b"[");
+        self.first = true;
+    }
+
+    fn end_array(&mut self) {
+        self.text.push(b"]");
+        self.first = false;
+    }
+
+    fn string(&mut self, text: &str) {
+        self.element();
+        self.text.string(text.as_bytes());
+    }
+
+    fn number(&mut self, n: i64) {
+        self.element();
+        self.text.integer(n);
+    }
+
+    fn row(&mut self, row: &UpdateRow) {
+        self.element();
+        match &row.json {
+            RowJson::Text(text) => self.text.push(text.bytes()),
+            // SAFETY: a row's jsonb value.
+            RowJson::Jsonb(datum) => unsafe { self.text.jsonb(*datum) },
+            RowJson::Cells(cells) => {
+                let mut array = JsonbBuilder::new();
+                array.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
+                array.cells(cells);
+                let datum = array.finish(pg_sys::JsonbIteratorToken::WJB_END_ARRAY);
+                // SAFETY: the jsonb value just built.
+                unsafe { self.text.jsonb(datum) }
             }
         }
     }
-    answer.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
-    answer.finish()
+}
+
+impl DataArray for JsonbBuilder {
+    fn begin_array(&mut self) {
+        self.push(pg_sys::JsonbIteratorToken::WJB_BEGIN_ARRAY, None);
+    }
+
+    fn end_array(&mut self) {
+        self.push(pg_sys::JsonbIteratorToken::WJB_END_ARRAY, None);
+    }
+
+    fn string(&mut self, text: &str) {
+        JsonbBuilder::string(self, pg_sys::JsonbIteratorToken::WJB_ELEM, text);
+    }
+
+    fn number(&mut self, n: i64) {
+        JsonbBuilder::number(self, n);
+    }
+
+    fn row(&mut self, row: &UpdateRow) {
+        match &row.json {
+            RowJson::Jsonb(datum) => self.jsonb(*datum),
+            RowJson::Cells(cells) => {
+                self.begin_array();
+                self.cells(cells);
+                self.end_array();
+            }
+            // SAFETY: the text is JSON that jsonb_out printed or would
+            // print (NUL-terminated), read back as jsonb.
+            RowJson::Text(text) => unsafe {
+                let datum = pg_sys::OidFunctionCall1Coll(
+                    pg_sys::Oid::from(pg_sys::F_JSONB_IN),
+                    pg_sys::InvalidOid,
+                    pg_sys::Datum::from(text.bytes().as_ptr()),
+                );
+                self.jsonb(datum)
+            },
+        }
+    }
 }
 
 /// A jsonb value built with PostgreSQL's `pushJsonbValue`, in the current
@@ -398,9 +517,19 @@ impl JsonbBuilder {
         self.scalar(pg_sys::JsonbIteratorToken::WJB_ELEM, value);
     }
 
-    /// The jsonb datum (after the outermost END_OBJECT).
-    fn finish(mut self) -> pg_sys::Datum {
-        self.push(pg_sys::JsonbIteratorToken::WJB_END_OBJECT, None);
+    /// An index read's values, as elements.
+    fn cells(&mut self, cells: &[Cell]) {
+        for cell in cells {
+            match *cell {
+                Cell::Scalar(value) => self.scalar(pg_sys::JsonbIteratorToken::WJB_ELEM, value),
+                Cell::Jsonb(datum) => self.jsonb(datum),
+            }
+        }
+    }
+
+    /// The jsonb datum, after the outermost container's end (`closing`).
+    fn finish(mut self, closing: pg_sys::JsonbIteratorToken::Type) -> pg_sys::Datum {
+        self.push(closing, None);
         // SAFETY: `last` is the complete value pushJsonbValue returned for
         // the closing token.
         unsafe { pg_sys::Datum::from(pg_sys::JsonbValueToJsonb(self.last)) }

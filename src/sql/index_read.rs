@@ -24,8 +24,11 @@
 //!
 //! Each value becomes what `jsonb_build_array` makes of it (the statement's
 //! row): booleans, integers and text directly, any other built-in type
-//! through `to_jsonb`, which `jsonb_build_array` uses per argument too.
+//! through `to_jsonb`, which `jsonb_build_array` uses per argument too. For
+//! `updates_json` each row is written as JSON text at once, as `jsonb_out`
+//! would print that array (`json_text.rs`).
 
+use super::json_text::JsonText;
 use super::*;
 use crate::guc::JSON_BIGINT_AS_STRING;
 use streampos_core::token::{in_range, Token};
@@ -42,6 +45,8 @@ pub struct RowRange<'a> {
     pub until_token: &'a Token,
     pub every_writer_above: i64,
     pub every_writer_up_to: i64,
+    /// Rows read here are written as JSON text (`updates_json`).
+    pub as_json_text: bool,
 }
 
 /// One row of `updates`' answer: its ID and the row as a jsonb datum in
@@ -52,10 +57,11 @@ pub struct UpdateRow {
 }
 
 /// A row's JSON array: the statement's jsonb, or the values an index read
-/// put in (`index_read`).
+/// put in (`index_read`), or the text it wrote (`RowRange::as_json_text`).
 pub(super) enum RowJson {
     Jsonb(pg_sys::Datum),
     Cells(Vec<Cell>),
+    Text(JsonText),
 }
 
 /// How one column becomes a JSON value.
@@ -417,6 +423,7 @@ fn scan(
     // A memory context for what `to_jsonb` leaves behind, made at its
     // first call (see `through_to_jsonb`).
     let mut scratch: Option<pg_sys::MemoryContext> = None;
+    let mut row_text: Option<JsonText> = None;
     // SAFETY: an index scan as the executor's, with the active snapshot
     // (the caller pushed it); the slot and the scan are released below, and
     // by the resource owner if an error ends the transaction. A column's
@@ -468,19 +475,35 @@ fn scan(
                     }
                 }
             }
-            let cells = plan
-                .columns
-                .iter()
-                .zip(to_jsonb.iter_mut())
-                .map(|(&(attnum, type_oid, kind), fmgr)| match value(attnum) {
-                    None => Cell::Scalar(null_value()),
-                    Some(datum) => cell(datum, type_oid, kind, fmgr, &mut scratch),
-                })
-                .collect();
-            rows.push(UpdateRow {
-                id,
-                json: RowJson::Cells(cells),
-            });
+            let columns = plan.columns.iter().zip(to_jsonb.iter_mut());
+            let json = if range.as_json_text {
+                // Written where the longest row so far had room, then
+                // copied at its length.
+                let text = row_text.get_or_insert_with(|| JsonText::new(false));
+                text.clear();
+                text.push(b"[");
+                for (i, (&(attnum, type_oid, kind), fmgr)) in columns.enumerate() {
+                    if i > 0 {
+                        text.push(b", ");
+                    }
+                    match value(attnum) {
+                        None => text.push(b"null"),
+                        Some(datum) => text_cell(text, datum, type_oid, kind, fmgr, &mut scratch),
+                    }
+                }
+                text.push(b"]");
+                RowJson::Text(text.copy())
+            } else {
+                RowJson::Cells(
+                    columns
+                        .map(|(&(attnum, type_oid, kind), fmgr)| match value(attnum) {
+                            None => Cell::Scalar(null_value()),
+                            Some(datum) => cell(datum, type_oid, kind, fmgr, &mut scratch),
+                        })
+                        .collect(),
+                )
+            };
+            rows.push(UpdateRow { id, json });
         }
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::index_endscan(scan);
@@ -639,15 +662,62 @@ unsafe fn cell(
                 });
                 // Too long for jsonb: to_jsonb's own error.
                 let Some((len, copy)) = copied else {
-                    return through_to_jsonb(datum, type_oid, fmgr, scratch);
+                    return Cell::Jsonb(through_to_jsonb(datum, type_oid, fmgr, scratch));
                 };
                 v.type_ = pg_sys::jbvType::jbvString;
                 v.val.string.len = len as i32;
                 v.val.string.val = copy;
             }
-            ColumnKind::Other => return through_to_jsonb(datum, type_oid, fmgr, scratch),
+            ColumnKind::Other => {
+                return Cell::Jsonb(through_to_jsonb(datum, type_oid, fmgr, scratch))
+            }
         }
         Cell::Scalar(v)
+    }
+}
+
+/// One non-null value written as `jsonb_out` prints what `cell` makes of
+/// it.
+///
+/// # Safety
+/// `datum` is a valid value of `type_oid`.
+unsafe fn text_cell(
+    text: &mut JsonText,
+    datum: pg_sys::Datum,
+    type_oid: pg_sys::Oid,
+    kind: ColumnKind,
+    fmgr: &mut Option<pg_sys::FmgrInfo>,
+    scratch: &mut Option<pg_sys::MemoryContext>,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        match kind {
+            ColumnKind::Bool => text.boolean(datum.value() != 0),
+            ColumnKind::Integer => text.integer(match type_oid {
+                pg_sys::INT2OID => datum.value() as i16 as i64,
+                pg_sys::INT4OID => datum.value() as i32 as i64,
+                _ => datum.value() as i64,
+            }),
+            ColumnKind::BigintAsText => text.string(streampos_core::json::integer(
+                datum.value() as i64,
+                &mut [0; 20],
+            )),
+            // Read in place: no copy but the answer's. Too long for jsonb:
+            // to_jsonb's own error, as `updates` and the statement give.
+            ColumnKind::Text
+                if with_text_bytes(datum, |bytes| {
+                    let fits = bytes.len() <= pg_sys::JENTRY_OFFLENMASK as usize;
+                    if fits {
+                        text.string(bytes);
+                    }
+                    fits
+                }) => {}
+            ColumnKind::Text | ColumnKind::Other => {
+                let json = through_to_jsonb(datum, type_oid, fmgr, scratch);
+                text.jsonb(json);
+                pg_sys::pfree(json.cast_mut_ptr());
+            }
+        }
     }
 }
 
@@ -661,7 +731,7 @@ unsafe fn through_to_jsonb(
     type_oid: pg_sys::Oid,
     fmgr: &mut Option<pg_sys::FmgrInfo>,
     scratch: &mut Option<pg_sys::MemoryContext>,
-) -> Cell {
+) -> pg_sys::Datum {
     // SAFETY: fmgr_info of a built-in function; its fn_expr is a FuncExpr
     // whose one argument has the column's type (what get_fn_expr_argtype
     // reads), in the current memory context, which outlives the read.
@@ -700,6 +770,6 @@ unsafe fn through_to_jsonb(
         pg_sys::MemoryContextSwitchTo(outer);
         let json = pg_sys::Datum::from(pg_sys::pg_detoast_datum_copy(json.cast_mut_ptr()));
         pg_sys::MemoryContextReset(scratch);
-        Cell::Jsonb(json)
+        json
     }
 }

@@ -38,6 +38,7 @@
 //! | `kept.rs` | statements prepared once per session and kept |
 //! | `followers.rs` | what `updates` reads, as JSON |
 //! | `index_read.rs` | `updates`' rows read through the ID index, without SQL, where no other role's code can run |
+//! | `json_text.rs` | JSON text in PostgreSQL's memory, as `jsonb_out` prints it: `updates_json`'s answer |
 //! | `worker.rs` | the position worker's locks, stored positions, frontier marks, notifications |
 //! | `adoption.rs` | `adopt_synapse`: Synapse's schema read, the catalog written |
 //! | `consumer_row.rs` | `ack`'s write of a consumer's row, without SQL: found by its key, locked and updated as an `UPDATE` would |
@@ -59,6 +60,7 @@ mod consumer_row;
 mod consumers;
 mod followers;
 mod index_read;
+mod json_text;
 mod kept;
 mod privileges;
 mod sequences;
@@ -582,9 +584,18 @@ pub(super) unsafe fn text_equality_key(
 /// `datum` is a non-null text or varchar value, valid for the call.
 pub(super) unsafe fn with_text_bytes<T>(datum: pg_sys::Datum, f: impl FnOnce(&[u8]) -> T) -> T {
     // SAFETY: as the caller promises; the detoasted value is read in place
-    // while `f` runs, then freed if it is a copy.
+    // while `f` runs, then freed if it is a copy. A value neither
+    // compressed nor stored apart is read where it is, as
+    // pg_detoast_datum_packed would return it.
     unsafe {
-        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        let given: *mut pg_sys::varlena = datum.cast_mut_ptr();
+        let in_place =
+            !pgrx::varlena::varatt_is_1b_e(given) && !pgrx::varlena::varatt_is_4b_c(given);
+        let text = if in_place {
+            given
+        } else {
+            pg_sys::pg_detoast_datum_packed(given)
+        };
         let len = pgrx::varlena::varsize_any_exhdr(text);
         let value = f(std::slice::from_raw_parts(
             pgrx::varlena::vardata_any(text).cast::<u8>(),

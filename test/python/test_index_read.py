@@ -3,6 +3,9 @@ rows read through its ID index without any statement. Its answers must be
 the row statement's, value for value, and it must never read where the
 statement would refuse, see less, or run another role's code."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import psycopg
 import pytest
 
@@ -56,13 +59,22 @@ def rows_of_every_type(db, table, stream):
                        f"SELECT streampos.next_id(%s, 'w'), 'w', {value}", (stream,))
 
 
+def as_text(db, stream, since, n):
+    """updates()' answer as text (numbers exactly as printed), after
+    checking that updates_json() wrote the same text."""
+    text, json_text = db.execute("SELECT streampos.updates(%s, %s, %s, 0)::text, "
+                                 "streampos.updates_json(%s, %s, %s, 0)::text",
+                                 (stream, since, n, stream, since, n)).fetchone()
+    assert json_text == text, "updates_json() is not updates() printed"
+    return text
+
+
 def answers(db, stream, since="0"):
-    """updates()' answers as text (numbers exactly as printed), with
-    json_bigint_as_string off and on."""
+    """updates()' answers as text, with json_bigint_as_string off and on."""
     out = []
-    for as_text in ("off", "on"):
-        db.execute(f"SET streampos.json_bigint_as_string = {as_text}")
-        out.append(one(db, "SELECT streampos.updates(%s, %s, 1000, 0)::text", (stream, since)))
+    for bigint_as_text in ("off", "on"):
+        db.execute(f"SET streampos.json_bigint_as_string = {bigint_as_text}")
+        out.append(as_text(db, stream, since, 1000))
     db.execute("RESET streampos.json_bigint_as_string")
     return out
 
@@ -246,8 +258,7 @@ def test_writers_apart_are_read_as_the_statement_reads_them(connect, stream):
     tokens = since_tokens(ids, top - 1)
 
     def all_answers():
-        return [one(db, "SELECT streampos.updates(%s, %s, %s, 0)::text", (stream, since, n))
-                for since in tokens for n in (1000, 2)]
+        return [as_text(db, stream, since, n) for since in tokens for n in (1000, 2)]
 
     through_index = all_answers()
     assert any('"w1"' in a for a in through_index) and any('"stranger"' in a for a in through_index)
@@ -356,3 +367,55 @@ def test_a_change_while_a_transaction_holds_the_tables_lock_is_seen(connect, str
             assert one(r, "SELECT streampos.updates(%s, '1')", (stream,))["data"][1:] == [[2, "w", "child"]]
             db.execute(f"REVOKE SELECT ON {table} FROM {role}")
             r.execute("SELECT streampos.updates(%s, '1')", (stream,))
+
+
+def test_updates_json_is_updates_printed_in_every_form(connect, stream):
+    """updates_json() answers what updates() answers, as json: the same
+    text whichever way each table is read (an index read and, for a table
+    with row-level security, the statement, in one answer), from a consumer,
+    caught up, after a long poll woken by a commit, limited; NULL where
+    updates() is NULL, its errors where it errs, its privilege checks."""
+    db = connect()
+    create_stream(db, stream)
+    plain, secured = f"{stream}_ev", f"{stream}_rls"
+    for table in (plain, secured):
+        db.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, instance_name text, body text)")
+        db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, table))
+    db.execute(f"ALTER TABLE {secured} ENABLE ROW LEVEL SECURITY")
+    for i in range(6):
+        db.execute(f"INSERT INTO {[plain, secured][i % 2]} SELECT streampos.next_id(%s, 'w'), 'w', "
+                   "E'row \\u00e9 \"' || %s", (stream, i))
+    assert len(one(db, "SELECT streampos.updates(%s, '0')", (stream,))["data"]) == 8
+    for n in (100, 2):
+        as_text(db, stream, "0", n)
+    assert '"limited": true' in as_text(db, stream, "0", 2)
+    top = one(db, "SELECT streampos.current_token(%s)::text", (stream,))
+    assert '"data": [[' in as_text(db, stream, top, 100)
+
+    db.execute("SELECT streampos.register_consumer(%s, 'c', '2')", (stream,))
+    both = db.execute("SELECT streampos.updates(%s, consumer => 'c')::text, "
+                      "streampos.updates_json(%s, consumer => 'c')::text, "
+                      "pg_typeof(streampos.updates_json(%s, consumer => 'c'))::text",
+                      (stream, stream, stream)).fetchone()
+    assert both[0] == both[1] and both[2] == "json"
+
+    # A long poll, woken by another session's commit.
+    writer = connect()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(one, connect(), "SELECT streampos.updates_json(%s, %s, 100, 20000)::text",
+                              (stream, top))
+        time.sleep(0.3)
+        writer.execute(f"INSERT INTO {plain} SELECT streampos.next_id(%s, 'w'), 'w', 'late'", (stream,))
+        woken = waiting.result(timeout=15)
+    assert '"late"' in woken and woken == as_text(db, stream, top, 100)
+
+    assert one(db, "SELECT streampos.updates_json(NULL, '0') IS NULL")
+    assert one(db, "SELECT streampos.updates_json(%s, '0', NULL) IS NULL", (stream,))
+    for sql, state in (("SELECT streampos.updates_json(%s)", "22023"),
+                       ("SELECT streampos.updates_json(%s, '0', consumer => 'c')", "22023"),
+                       ("SELECT streampos.updates_json(%s, '0', 0)", "22023"),
+                       ("SELECT streampos.updates_json(%s, consumer => 'nobody')", "42704")):
+        expect_error(db, sql, (stream,), state)
+    reader = support.ensure_login_role(READER)
+    db.execute(f"GRANT SELECT ON {plain} TO {reader}")
+    expect_error(connect(user=reader), "SELECT streampos.updates_json(%s, '0')", (stream,), "42501")

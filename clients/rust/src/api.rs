@@ -324,7 +324,8 @@ impl Updates {
 }
 
 /// `streampos.updates`: the rows after `since`, at most `max_rows` (cut at
-/// an ID boundary), waiting up to `timeout` for some writer to move.
+/// an ID boundary), waiting up to `timeout` for some writer to move. Read
+/// as `updates_json`, the same answer's text without jsonb's printing.
 pub async fn updates<Q: Queryable + ?Sized>(
     q: &Q,
     stream: &str,
@@ -335,7 +336,7 @@ pub async fn updates<Q: Queryable + ?Sized>(
     let ms = millis(timeout);
     let row = one(
         q,
-        "SELECT streampos.updates($1, $2, $3, $4)::text",
+        "SELECT streampos.updates_json($1, $2, $3, $4)::text",
         &[&stream, since, &max_rows, &ms],
     )
     .await?;

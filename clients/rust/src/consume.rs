@@ -88,7 +88,7 @@ impl Consumer {
         let ms = millis(self.timeout);
         let row = one(
             txn,
-            "SELECT streampos.updates($1, consumer => $2, max_rows => $3, timeout_ms => $4)::text",
+            "SELECT streampos.updates_json($1, consumer => $2, max_rows => $3, timeout_ms => $4)::text",
             &[&self.stream, &self.name, &self.max_rows, &ms],
         )
         .await?;

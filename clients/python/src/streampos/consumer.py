@@ -213,7 +213,7 @@ class Consumer:
         self._lock()
         with self.conn.transaction():
             row = self.conn.execute(
-                "SELECT streampos.updates(%s, consumer => %s, max_rows => %s, timeout_ms => %s)",
+                "SELECT streampos.updates_json(%s, consumer => %s, max_rows => %s, timeout_ms => %s)",
                 (self.stream, self.name, self.max_rows, self.timeout_ms),
             ).fetchone()
             assert row is not None
