@@ -35,6 +35,7 @@ connection of its own, every statement prepared (as a driver does):
             value the previous call returned (no row read)
   updates   SELECT streampos.updates(stream, token, 100, 600000): the
             long-poll, the new row and the next token
+  updates_json  the same with updates_json (the answer as json)
   listen    the hand-written baseline: the table has a trigger
             (AFTER INSERT … FOR EACH ROW: pg_notify), followers LISTEN
             and on each notification run SELECT id, instance_name,
@@ -52,13 +53,13 @@ commits and dumps after the K-th.
 
 Per commit: the writer's window / K, and the followers' work: the sum of
 their windows / K (wake-up, answer, sending it, the client's next call).
-F = 0 for wait_for and updates is one measurement (no follower: the
+F = 0 for wait_for, updates and updates_json is one measurement (no follower: the
 same commit). Instructions in user space only: the kernel's share of
 waking a process (kill(), the scheduler) is not counted.
 
 Usage: bench/commit_wakeup.py --pg-bin DIR [--port 54396] [--followers 8,32]
                               [--commits 10] [--warm-up 2] [--rounds 3]
-                              [--mechanisms wait_for,updates,listen] [--out FILE]
+                              [--mechanisms wait_for,updates,updates_json,listen] [--out FILE]
 """
 import argparse
 import glob
@@ -145,12 +146,14 @@ NOTIFY = "CREATE TRIGGER notify AFTER INSERT ON {s}_ev FOR EACH ROW EXECUTE FUNC
 INSERT = "INSERT INTO {s}_ev SELECT streampos.next_id('{s}', 'w1'), 'w1', repeat('x', 200)"
 WAIT_FOR = "SELECT streampos.wait_for('{s}', %s, 600000)"
 UPDATES = "SELECT streampos.updates('{s}', %s, 100, 600000)"
+UPDATES_JSON = "SELECT streampos.updates_json('{s}', %s, 100, 600000)"
 WARM = 8
 HAND = ("SELECT id, instance_name, payload FROM {s}_ev WHERE id > %s "
         "AND id <= streampos.frontier('{s}') ORDER BY id LIMIT 100")
 NAMES = {
     "wait_for": "`wait_for(stream, p + 1)`",
     "updates": "`updates()` long-poll",
+    "updates_json": "`updates_json()` long-poll",
     "listen": "LISTEN/NOTIFY + query",
 }
 
@@ -196,7 +199,8 @@ class Cell:
 
     def follower(self, i):
         a, tag, s = self.a, self.tag, self.stream
-        wait_for, updates, hand = (q.format(s=s) for q in (WAIT_FOR, UPDATES, HAND))
+        wait_for, updates, hand = (q.format(s=s) for q in (
+            WAIT_FOR, UPDATES_JSON if self.mechanism == "updates_json" else UPDATES, HAND))
         try:
             with self.connect() as c:
                 with self.lock:
@@ -212,7 +216,7 @@ class Cell:
                     def step():
                         nonlocal p
                         p = c.execute(wait_for, (Int8(p + 1),)).fetchone()[0]
-                elif self.mechanism == "updates":
+                elif self.mechanism in ("updates", "updates_json"):
                     p = c.execute("SELECT streampos.frontier(%s)", (s,)).fetchone()[0]
                     # One row behind: answers at once.
                     for _ in range(WARM):
@@ -304,7 +308,7 @@ def main():
     ap.add_argument("--commits", type=int, default=10)
     ap.add_argument("--warm-up", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--mechanisms", default="wait_for,updates,listen")
+    ap.add_argument("--mechanisms", default="wait_for,updates,updates_json,listen")
     ap.add_argument("--dir", help="working directory (kept); default a new temporary one, removed")
     ap.add_argument("--out", help="append the results to this file")
     a = ap.parse_args()
@@ -432,7 +436,7 @@ def main():
         f"{a.warm_up} warm-up commits), waiting before each until every follower has answered the "
         "previous commit and sleeps again. Followers, each on its own connection, statements prepared: "
         "`wait_for(stream, p + 1, 600000)` (no row read); `updates(stream, token, 100, 600000)` "
-        "(the long-poll: the new row and the next token); LISTEN/NOTIFY (the table has a trigger "
+        "(the long-poll: the new row and the next token), and the same with `updates_json`; LISTEN/NOTIFY (the table has a trigger "
         "`AFTER INSERT … FOR EACH ROW` calling `pg_notify`; on each notification the follower runs "
         "`SELECT id, instance_name, payload FROM t WHERE id > $1 AND id <= streampos.frontier(s) "
         "ORDER BY id LIMIT 100`). Followers' work: their windows summed (woken, answering, the "

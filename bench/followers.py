@@ -14,7 +14,8 @@ rounds' ratios with their range.
    for n = 1, 3, 100, on a stream of one table and of two.
 2. Followers' cost on writers: 2 pgbench writer clients (next_id + INSERT)
    alone, then with N long-polling followers (each its own session,
-   looping `updates(stream, its token, 100, 1000)`), N = 8 and 32. Each
+   looping `updates(stream, its token, 100, 1000)`, or `updates_json`),
+   N = 8 and 32. Each
    follower checks that it receives every row exactly once; one of them
    records each row's delivery latency (from its writer's commit, on the
    server's clock).
@@ -158,17 +159,17 @@ class Bench:
         )
 
     def run_followers(self, kind, n_followers, seconds, stop, results):
-        """Followers until `stop`: kind 'updates' (long-poll) or 'listen'
-        (LISTEN/NOTIFY + the hand-written query)."""
+        """Followers until `stop`: kind 'updates' or 'updates_json'
+        (long-poll) or 'listen' (LISTEN/NOTIFY + the hand-written query)."""
         def follower(k):
             seen, latencies, dup = set(), [], 0
             try:
                 with self.connect() as c:
-                    if kind == "updates":
+                    if kind in ("updates", "updates_json"):
                         token = c.execute("SELECT streampos.current_token('f_live')::text").fetchone()[0]
                         while not stop.is_set():
                             answer = c.execute(
-                                "SELECT streampos.updates('f_live', %s, 100, 1000)", (token,)).fetchone()[0]
+                                f"SELECT streampos.{kind}('f_live', %s, 100, 1000)", (token,)).fetchone()[0]
                             token = answer["token"]
                             now = c.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0] \
                                 if k == 0 and len(answer["data"]) > 1 else None
@@ -215,7 +216,7 @@ class Bench:
 
     def follower_cells(self):
         rows = []
-        for kind in ("updates", "listen"):
+        for kind in ("updates", "updates_json", "listen"):
             for n in ((0, 8, 32) if kind == "updates" else (8, 32)):
                 ratios, lat_all, checks = [], [], []
                 for r in range(self.args.rounds):
@@ -286,12 +287,14 @@ def main():
         lines.append("")
     if args.part in ("followers", "all"):
         lines += ["### Followers: their cost on writers", "",
-                  "2 writer clients (pgbench), with N followers: long-polling `updates()`, or LISTEN + a NOTIFY "
+                  "2 writer clients (pgbench), with N followers: long-polling `updates()` or `updates_json()` "
+                  "(Python, parsing each answer), or LISTEN + a NOTIFY "
                   "per commit + the hand-written query. Ratio: writers' TPS with the followers / alone. "
                   "Latency: from the row's commit to its delivery (one follower, server clock).", "",
                   "| followers | N | writers vs alone | latency p50 | p99 | rows |", "|---|---|---|---|---|---|"]
         for kind, n, ratios, p50, p99, checks in b.follower_cells():
-            name = "updates() long-poll" if kind == "updates" else "LISTEN/NOTIFY + query"
+            name = {"updates": "updates() long-poll", "updates_json": "updates_json() long-poll"}.get(
+                kind, "LISTEN/NOTIFY + query")
             lines.append(f"| {name} | {n} | {fmt(ratios)} | {p50:.1f} ms | {p99:.1f} ms | "
                          f"{'; '.join(checks[:2]) or 'every row once'} |")
         lines.append("")

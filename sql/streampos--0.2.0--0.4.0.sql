@@ -348,13 +348,14 @@ CREATE FUNCTION streampos.updates_json(
 	"since" streampos.multi_writer_token DEFAULT NULL,
 	"max_rows" INT DEFAULT 100,
 	"timeout_ms" INT DEFAULT 0,
-	"consumer" TEXT DEFAULT NULL
+	"consumer" TEXT DEFAULT NULL,
+	"ordered" BOOLEAN DEFAULT false
 ) RETURNS json
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'updates_json_wrapper';
-COMMENT ON FUNCTION streampos.updates_json(text, streampos.multi_writer_token, integer, integer, text) IS
-    'updates() as json: the same answer''s text, written once instead of printed from jsonb';
+COMMENT ON FUNCTION streampos.updates_json(text, streampos.multi_writer_token, integer, integer, text, boolean) IS
+    'updates() as json: the same answer''s text, written once instead of printed from jsonb; ordered: only up to the frontier, every row in ID order across calls';
 
 -- What a prepared transaction may hold rows of (src/prepared.rs): the
 -- lowest ID of every hold given out in the database when it was prepared,

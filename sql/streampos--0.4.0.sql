@@ -1242,7 +1242,8 @@ CREATE FUNCTION updates_json(
 	"since" multi_writer_token DEFAULT NULL,
 	"max_rows" INT DEFAULT 100,
 	"timeout_ms" INT DEFAULT 0,
-	"consumer" TEXT DEFAULT NULL
+	"consumer" TEXT DEFAULT NULL,
+	"ordered" BOOLEAN DEFAULT false
 ) RETURNS json
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
@@ -1440,8 +1441,8 @@ COMMENT ON FUNCTION wait_for_consumer(text, text, integer) IS
     'Sleep until the stream moves past the consumer''s acknowledged position or the timeout passes; returns the current token';
 COMMENT ON FUNCTION updates(text, multi_writer_token, integer, integer, text) IS
     'Replication feed: rows of the stream''s tables newer than since (or the consumer''s position), with the token to continue from';
-COMMENT ON FUNCTION updates_json(text, multi_writer_token, integer, integer, text) IS
-    'updates() as json: the same answer''s text, written once instead of printed from jsonb';
+COMMENT ON FUNCTION updates_json(text, multi_writer_token, integer, integer, text, boolean) IS
+    'updates() as json: the same answer''s text, written once instead of printed from jsonb; ordered: only up to the frontier, every row in ID order across calls';
 COMMENT ON TABLE consumer_positions IS
     'Consumers: each one''s acknowledged position on a stream, moved by ack() in the consumer''s transaction';
 COMMENT ON TABLE consumer_floors IS

@@ -333,13 +333,18 @@ fn updates_v3(
     timeout_ms: default!(Option<i32>, 0),
     consumer: default!(Option<&str>, "NULL"),
 ) -> Option<JsonbDatum> {
-    updates_call(stream, since, max_rows, timeout_ms, consumer, false).map(JsonbDatum)
+    let form = Form {
+        as_json_text: false,
+        ordered: false,
+    };
+    updates_call(stream, since, max_rows, timeout_ms, consumer, form).map(JsonbDatum)
 }
 
 /// `updates()`' answer as json: the text `jsonb_out` prints for it, written
 /// once by the call instead of printed from jsonb when it is sent (the
-/// cheaper answer for a client that parses the text anyway). Declared in
-/// sql/finalize.sql, as `updates`.
+/// cheaper answer for a client that parses the text anyway). With
+/// `ordered`, only rows up to the stream's frontier (see `follow`).
+/// Declared in sql/finalize.sql, as `updates`.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn updates_json(
     stream: Option<&str>,
@@ -347,8 +352,22 @@ fn updates_json(
     max_rows: default!(Option<i32>, 100),
     timeout_ms: default!(Option<i32>, 0),
     consumer: default!(Option<&str>, "NULL"),
+    ordered: default!(Option<bool>, false),
 ) -> Option<JsonDatum> {
-    updates_call(stream, since, max_rows, timeout_ms, consumer, true).map(JsonDatum)
+    let form = Form {
+        as_json_text: true,
+        ordered: ordered?,
+    };
+    updates_call(stream, since, max_rows, timeout_ms, consumer, form).map(JsonDatum)
+}
+
+/// What an `updates` answer is: jsonb or json text, and whether it goes
+/// only as far as the frontier (every row in global ID order across calls)
+/// or as far as each writer has finished.
+#[derive(Clone, Copy)]
+struct Form {
+    as_json_text: bool,
+    ordered: bool,
 }
 
 /// `updates` or `updates_json`: from `since` or from the consumer's
@@ -359,7 +378,7 @@ fn updates_call(
     max_rows: Option<i32>,
     timeout_ms: Option<i32>,
     consumer: Option<&str>,
-    as_json_text: bool,
+    form: Form,
 ) -> Option<pg_sys::Datum> {
     let (stream, max_rows, timeout_ms) = (stream?, max_rows?, timeout_ms?);
     let since = match (since, consumer) {
@@ -386,25 +405,29 @@ fn updates_call(
         }
         .report(),
     };
-    Some(follow(stream, since, max_rows, timeout_ms, as_json_text))
+    Some(follow(stream, since, max_rows, timeout_ms, form))
 }
 
 /// 0.2.0's `updates(stream, since, max_rows, timeout_ms)`, STRICT: what a
 /// database not yet updated to 0.3.0 calls with this library.
 #[pg_extern(volatile, strict, parallel_unsafe, sql = false)]
 fn updates(stream: &str, since: MultiWriterToken, max_rows: i32, timeout_ms: i32) -> JsonbDatum {
-    JsonbDatum(follow(stream, since.0, max_rows, timeout_ms, false))
+    let form = Form {
+        as_json_text: false,
+        ordered: false,
+    };
+    JsonbDatum(follow(stream, since.0, max_rows, timeout_ms, form))
 }
 
 /// One `updates()` answer: rows after `since`, at most `max_rows`, waiting
 /// at most `timeout_ms` for some; jsonb, or json with `as_json_text`.
-fn follow(
-    stream: &str,
-    since: Token,
-    max_rows: i32,
-    timeout_ms: i32,
-    as_json_text: bool,
-) -> pg_sys::Datum {
+/// Ordered (`form.ordered`): the token aimed at is the frontier alone, not
+/// each writer's position; every ID up to the frontier is finished, so no
+/// later answer has a row below one this answer gives (the per-writer form
+/// gives a writer's rows as soon as that writer finished them, and a
+/// slower writer's lower IDs come later).
+fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form) -> pg_sys::Datum {
+    let as_json_text = form.as_json_text;
     let meta = catalog::stream(stream).or_raise();
     if meta.backwards {
         Error::InvalidState {
@@ -441,6 +464,7 @@ fn follow(
     };
     let current = wait_until(index, timeout_ms, not_before, || {
         let t = token_now(&meta);
+        let t = if form.ordered { t.bound(t.stream()) } else { t };
         (!t.is_before_or_eq(&since), t)
     });
     // Never hand a follower a token behind the one it gave us.
