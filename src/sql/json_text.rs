@@ -11,6 +11,10 @@ use streampos_core::json::{quoted_len, write_quoted};
 
 pub(super) struct JsonText {
     info: pg_sys::StringInfoData,
+    /// The buffer's bytes before this offset are initialised (written, or
+    /// zeroed when first handed out by `room`): a Rust slice is only made
+    /// over initialised memory. At least `len + 1` (the NUL).
+    initialized: usize,
 }
 
 impl JsonText {
@@ -28,6 +32,7 @@ impl JsonText {
                     maxlen: INITIAL,
                     cursor: 0,
                 },
+                initialized: 0,
             }
         };
         if varlena {
@@ -36,28 +41,43 @@ impl JsonText {
         text
     }
 
+    /// Bytes free after the text, its NUL aside.
+    fn free(&self) -> usize {
+        (self.info.maxlen - self.info.len - 1) as usize
+    }
+
     /// Room for `n` more bytes (and the terminating NUL), and the place
     /// where they go.
     #[inline]
     fn room(&mut self, n: usize) -> &mut [u8] {
-        let free = (self.info.maxlen - self.info.len) as usize;
-        // SAFETY: with n < free the buffer has the room already; else
+        let start = self.info.len as usize;
+        // SAFETY: with n <= free() the buffer has the room already; else
         // enlargeStringInfo leaves at least n + 1 bytes after len (or raises
         // PostgreSQL's ERROR beyond its limit; a length beyond i32 is
-        // refused by it too, as the request is clipped to fail).
+        // refused by it too, as the request is clipped to fail). repalloc
+        // keeps the old bytes, so what was initialised stays so. Bytes
+        // handed out for the first time are zeroed first.
         unsafe {
-            if n >= free {
+            if n > self.free() {
                 pg_sys::enlargeStringInfo(&mut self.info, i32::try_from(n).unwrap_or(i32::MAX));
             }
-            std::slice::from_raw_parts_mut(self.info.data.add(self.info.len as usize).cast(), n)
+            let end = start + n;
+            if end > self.initialized {
+                let from = self.initialized.max(start);
+                std::ptr::write_bytes(self.info.data.add(from), 0, end - from);
+                self.initialized = end;
+            }
+            std::slice::from_raw_parts_mut(self.info.data.add(start).cast(), n)
         }
     }
 
     #[inline]
     fn advance(&mut self, n: usize) {
         self.info.len += n as i32;
+        let len = self.info.len as usize;
         // SAFETY: room() left a byte after the new length.
-        unsafe { *self.info.data.add(self.info.len as usize) = 0 };
+        unsafe { *self.info.data.add(len) = 0 };
+        self.initialized = self.initialized.max(len + 1);
     }
 
     #[inline]
@@ -66,13 +86,14 @@ impl JsonText {
         self.advance(bytes.len());
     }
 
-    /// `bytes` as a quoted JSON string: in one pass with room for the
-    /// longest escape of a short text, else measured exactly first (a long
-    /// text asks for no more than it takes).
+    /// `bytes` as a quoted JSON string: in one pass where the buffer has
+    /// room for its longest escape already, else measured exactly first (a
+    /// text never asks for more room than it takes: near PostgreSQL's 1 GB
+    /// limit, what fits is written).
     pub(super) fn string(&mut self, bytes: &[u8]) {
-        const SHORT: usize = 64 * 1024;
-        let n = if bytes.len() <= SHORT {
-            6 * bytes.len() + 2
+        let longest = bytes.len().saturating_mul(6).saturating_add(2);
+        let n = if longest <= self.free() {
+            longest
         } else {
             quoted_len(bytes)
         };
@@ -100,6 +121,8 @@ impl JsonText {
             let len = pgrx::varsize(jb as *const pg_sys::varlena) as i32;
             pg_sys::JsonbToCString(&mut self.info, &mut (*jb).root, len);
         }
+        // It wrote the text and its NUL.
+        self.initialized = self.initialized.max(self.info.len as usize + 1);
     }
 
     /// Empty again, its room kept.
@@ -122,6 +145,7 @@ impl JsonText {
                     maxlen: len + 1,
                     cursor: 0,
                 },
+                initialized: len as usize + 1,
             }
         }
     }
