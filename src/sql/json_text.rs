@@ -46,21 +46,30 @@ impl JsonText {
         (self.info.maxlen - self.info.len - 1) as usize
     }
 
-    /// Room for `n` more bytes (and the terminating NUL), and the place
-    /// where they go.
+    /// Room for `n` more bytes (and the terminating NUL).
+    #[inline]
+    fn reserve(&mut self, n: usize) {
+        if n > self.free() {
+            // SAFETY: enlargeStringInfo leaves at least n + 1 bytes after
+            // len (or raises PostgreSQL's ERROR beyond its limit; a length
+            // beyond i32 is refused by it too, as the request is clipped to
+            // fail). repalloc keeps the old bytes, so what was initialised
+            // stays so.
+            unsafe {
+                pg_sys::enlargeStringInfo(&mut self.info, i32::try_from(n).unwrap_or(i32::MAX))
+            };
+        }
+    }
+
+    /// Room for `n` more bytes, and the place where they go (bytes handed
+    /// out for the first time zeroed first).
     #[inline]
     fn room(&mut self, n: usize) -> &mut [u8] {
         let start = self.info.len as usize;
-        // SAFETY: with n <= free() the buffer has the room already; else
-        // enlargeStringInfo leaves at least n + 1 bytes after len (or raises
-        // PostgreSQL's ERROR beyond its limit; a length beyond i32 is
-        // refused by it too, as the request is clipped to fail). repalloc
-        // keeps the old bytes, so what was initialised stays so. Bytes
-        // handed out for the first time are zeroed first.
+        self.reserve(n);
+        // SAFETY: reserve() made the room; every byte of the slice is
+        // initialised.
         unsafe {
-            if n > self.free() {
-                pg_sys::enlargeStringInfo(&mut self.info, i32::try_from(n).unwrap_or(i32::MAX));
-            }
             let end = start + n;
             if end > self.initialized {
                 let from = self.initialized.max(start);
@@ -82,21 +91,31 @@ impl JsonText {
 
     #[inline]
     pub(super) fn push(&mut self, bytes: &[u8]) {
-        self.room(bytes.len()).copy_from_slice(bytes);
+        self.reserve(bytes.len());
+        // SAFETY: reserve() made the room; the bytes are copied, no slice
+        // is made over what was not written yet.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.info.data.add(self.info.len as usize).cast(),
+                bytes.len(),
+            )
+        };
         self.advance(bytes.len());
     }
 
-    /// `bytes` as a quoted JSON string: in one pass where the buffer has
-    /// room for its longest escape already, else measured exactly first (a
-    /// text never asks for more room than it takes: near PostgreSQL's 1 GB
-    /// limit, what fits is written).
+    /// `bytes` as a quoted JSON string: in one pass with room for its
+    /// longest escape while that is small or the buffer has it already,
+    /// else measured exactly first (far from PostgreSQL's 1 GB limit, a
+    /// long text asks for no more than it takes, and near it, what fits is
+    /// written).
     pub(super) fn string(&mut self, bytes: &[u8]) {
+        const SHORT: usize = 64 * 1024;
+        const FAR_FROM_LIMIT: usize = 256 * 1024 * 1024;
         let longest = bytes.len().saturating_mul(6).saturating_add(2);
-        let n = if longest <= self.free() {
-            longest
-        } else {
-            quoted_len(bytes)
-        };
+        let one_pass = longest <= self.free()
+            || (bytes.len() <= SHORT && (self.info.len as usize) < FAR_FROM_LIMIT);
+        let n = if one_pass { longest } else { quoted_len(bytes) };
         let written = write_quoted(bytes, self.room(n));
         self.advance(written);
     }
