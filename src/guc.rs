@@ -23,9 +23,6 @@ pub static LOG_HELD_BACK_AFTER_MS: GucSetting<i32> = GucSetting::<i32>::new(30_0
 /// stream takes a burst of commits in one call instead of one call per
 /// commit; an idle follower is woken at once. 0: at once, always.
 pub static FOLLOWER_BATCH_MS: GucSetting<i32> = GucSetting::<i32>::new(5);
-/// Room for each stream's latest `updates` answer in shared memory, served
-/// to the followers that ask the same question (shared_answer.rs); 0: none.
-pub static SHARED_ANSWER_KB: GucSetting<i32> = GucSetting::<i32>::new(16);
 /// `next_id` and `next_ids` in a bare `SELECT` outside a transaction block
 /// warn that their IDs are finished when the statement ends.
 pub static WARN_FINISHED_AT_ONCE: GucSetting<bool> = GucSetting::<bool>::new(true);
@@ -112,16 +109,6 @@ fn define_registry_sizes() {
         4096,
         GucContext::Postmaster,
         GucFlags::default(),
-    );
-    GucRegistry::define_int_guc(
-        c"streampos.shared_answer_kb",
-        c"Room for each stream's latest updates() answer in shared memory, for the followers that ask the same.",
-        c"An answer larger than this is read by each follower; 0 turns the sharing off.",
-        &SHARED_ANSWER_KB,
-        0,
-        1024,
-        GucContext::Postmaster,
-        GucFlags::UNIT_KB,
     );
     GucRegistry::define_int_guc(
         c"streampos.finished_ring_size",

@@ -7,7 +7,6 @@
 //! | module | mechanism |
 //! |---|---|
 //! | `registry/` | shared memory: the in-flight registry (see its `mod.rs`) |
-//! | `shared_answer.rs` | shared memory: each stream's latest `updates` answer, served to followers asking the same |
 //! | `xact.rs` | transaction callbacks |
 //! | `worker.rs`, `held_back.rs` | the background position worker; its held-back warnings |
 //! | `engine.rs` | allocation and per-statement views between the SQL API and the registry |
@@ -43,7 +42,6 @@ mod registry;
 mod roles;
 mod sequence;
 mod session;
-mod shared_answer;
 mod sql;
 mod token_datum;
 mod types;
@@ -77,7 +75,6 @@ pub extern "C-unwind" fn _PG_init() {
     guc::define(preloading);
     if preloading {
         registry::request_shared_memory();
-        shared_answer::request_shared_memory();
     } else if in_extension_script {
         // Loaded first by CREATE (or ALTER) EXTENSION without the preload:
         // say so now, not at the first next_id.

@@ -15,7 +15,7 @@ use crate::engine::{self, in_recovery, registry_index, writer_ids};
 use crate::error::{clip, Error, OrRaise};
 use crate::registry::history;
 use crate::types::MultiWriterToken;
-use crate::{registry, shared_answer, sql};
+use crate::{registry, sql};
 
 /// Most rows one `updates` call may return.
 const MAX_ROWS: i32 = 10_000;
@@ -370,13 +370,6 @@ struct Form {
     ordered: bool,
 }
 
-impl Form {
-    /// The form as a byte of a shared answer's question.
-    fn code(self) -> u8 {
-        self.as_json_text as u8 | (self.ordered as u8) << 1
-    }
-}
-
 /// `updates` or `updates_json`: from `since` or from the consumer's
 /// acknowledged position (one of the two).
 fn updates_call(
@@ -434,8 +427,6 @@ fn updates(stream: &str, since: MultiWriterToken, max_rows: i32, timeout_ms: i32
 /// gives a writer's rows as soon as that writer finished them, and a
 /// slower writer's lower IDs come later).
 fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form) -> pg_sys::Datum {
-    // Answers read after this moment could be this call's own.
-    let floor = shared_answer::floor();
     let as_json_text = form.as_json_text;
     let meta = catalog::stream(stream).or_raise();
     if meta.backwards {
@@ -518,38 +509,6 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form
         every_writer_up_to: until.stream(),
         as_json_text,
     };
-    // One read for many: the same question, read by another follower with
-    // a snapshot taken during this call (shared_answer.rs).
-    let question = |tables: &[sql::StreamTable]| {
-        let mut q = shared_answer::Question::new(meta.key, &since_text, max_rows, form.code());
-        for t in tables {
-            q.table(t.oid, &t.columns, &t.types);
-        }
-        q.finish()
-    };
-    let sharing = shared_answer::eligible();
-    let asked = sharing.then(|| question(&catalog::stream_tables(stream)));
-    if let Some(asked) = &asked {
-        let found = shared_answer::find(index, asked, floor)
-            .or_else(|| shared_answer::wait_for_reader(index, asked, floor));
-        if let Some(answer) = found {
-            // Served only to a follower its own read would serve: the
-            // tables as they are now, with the privileges as they are now.
-            // SAFETY: processes pending invalidation messages; no ERROR.
-            unsafe { pg_sys::AcceptInvalidationMessages() };
-            let tables = catalog::stream_tables(stream);
-            if question(&tables) == *asked {
-                sql::check_may_follow(&tables);
-                answered_updates(meta.key);
-                return answer;
-            }
-        }
-    }
-    let ticket = asked.as_ref().map(|asked| {
-        let ticket = shared_answer::take_ticket();
-        shared_answer::claim(index, asked, ticket);
-        ticket
-    });
     // One snapshot for every read (any snapshot that sees the token's
     // commits sees the same rows below it).
     let answer = with_row_snapshot(|| {
@@ -595,27 +554,14 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form
         } else {
             (until.clone(), false)
         };
-        let answer = sql::updates_answer(
+        sql::updates_answer(
             &tables,
             &rows,
             &token.to_text(TokenKind::MultiWriter),
             token.max_stream_pos(),
             limited,
             as_json_text,
-        );
-        // Published for the tables it read, if every value was printed by
-        // a built-in type's output (which reads only the settings the
-        // question names).
-        let built_in = tables
-            .iter()
-            .all(|t| t.types.iter().all(|&ty| sql::built_in_type(ty)));
-        if let Some(ticket) = ticket {
-            if built_in {
-                shared_answer::publish(index, &question(&tables), ticket, answer);
-            }
-            shared_answer::unclaim(index, ticket);
-        }
-        answer
+        )
     });
     answered_updates(meta.key);
     answer
