@@ -333,11 +333,7 @@ fn updates_v3(
     timeout_ms: default!(Option<i32>, 0),
     consumer: default!(Option<&str>, "NULL"),
 ) -> Option<JsonbDatum> {
-    let form = Form {
-        as_json_text: false,
-        ordered: false,
-    };
-    updates_call(stream, since, max_rows, timeout_ms, consumer, form).map(JsonbDatum)
+    updates_call(stream, since, max_rows, timeout_ms, consumer, Form::JSONB).map(JsonbDatum)
 }
 
 /// `updates()`' answer as json: the text `jsonb_out` prints for it, written
@@ -368,6 +364,14 @@ fn updates_json(
 struct Form {
     as_json_text: bool,
     ordered: bool,
+}
+
+impl Form {
+    /// `updates()`' form: jsonb, per writer.
+    const JSONB: Form = Form {
+        as_json_text: false,
+        ordered: false,
+    };
 }
 
 /// `updates` or `updates_json`: from `since` or from the consumer's
@@ -412,11 +416,7 @@ fn updates_call(
 /// database not yet updated to 0.3.0 calls with this library.
 #[pg_extern(volatile, strict, parallel_unsafe, sql = false)]
 fn updates(stream: &str, since: MultiWriterToken, max_rows: i32, timeout_ms: i32) -> JsonbDatum {
-    let form = Form {
-        as_json_text: false,
-        ordered: false,
-    };
-    JsonbDatum(follow(stream, since.0, max_rows, timeout_ms, form))
+    JsonbDatum(follow(stream, since.0, max_rows, timeout_ms, Form::JSONB))
 }
 
 /// One `updates()` answer: rows after `since`, at most `max_rows`, waiting

@@ -615,6 +615,15 @@ fn null_value() -> pg_sys::JsonbValue {
     v
 }
 
+/// The value of an int2, int4 or int8 datum (`ColumnKind::Integer`).
+fn integer_value(datum: pg_sys::Datum, type_oid: pg_sys::Oid) -> i64 {
+    match type_oid {
+        pg_sys::INT2OID => datum.value() as i16 as i64,
+        pg_sys::INT4OID => datum.value() as i32 as i64,
+        _ => datum.value() as i64,
+    }
+}
+
 /// One non-null value as `jsonb_build_array` makes it.
 ///
 /// # Safety
@@ -636,13 +645,8 @@ unsafe fn cell(
                 v.val.boolean = datum.value() != 0;
             }
             ColumnKind::Integer => {
-                let n = match type_oid {
-                    pg_sys::INT2OID => datum.value() as i16 as i64,
-                    pg_sys::INT4OID => datum.value() as i32 as i64,
-                    _ => datum.value() as i64,
-                };
                 v.type_ = pg_sys::jbvType::jbvNumeric;
-                v.val.numeric = pg_sys::int64_to_numeric(n);
+                v.val.numeric = pg_sys::int64_to_numeric(integer_value(datum, type_oid));
             }
             ColumnKind::BigintAsText => {
                 let text = (datum.value() as i64).to_string();
@@ -693,11 +697,7 @@ unsafe fn text_cell(
     unsafe {
         match kind {
             ColumnKind::Bool => text.boolean(datum.value() != 0),
-            ColumnKind::Integer => text.integer(match type_oid {
-                pg_sys::INT2OID => datum.value() as i16 as i64,
-                pg_sys::INT4OID => datum.value() as i32 as i64,
-                _ => datum.value() as i64,
-            }),
+            ColumnKind::Integer => text.integer(integer_value(datum, type_oid)),
             ColumnKind::BigintAsText => text.string(streampos_core::json::integer(
                 datum.value() as i64,
                 &mut [0; 20],
