@@ -30,6 +30,29 @@ AS 'MODULE_PATHNAME', 'updates_json_wrapper';
 COMMENT ON FUNCTION streampos.updates_json(text, streampos.multi_writer_token, integer, integer, text, boolean) IS
     'updates() as json: the same answer''s text, written once instead of printed from jsonb; ordered: only up to the frontier, every row in ID order across calls';
 
+-- The view consumers never waits for a lock: its rows come from a
+-- function that locks what it reads only if granted at once (55P03 names
+-- what is locked); the view's columns stay as they were.
+CREATE FUNCTION streampos.stat_get_consumers() RETURNS TABLE (
+	"stream_name" TEXT,
+	"consumer_name" TEXT,
+	"owner" oid,
+	"position" TEXT,
+	"lag_ids" bigint,
+	"lag_time" interval,
+	"registered_at" timestamp with time zone,
+	"acked_at" timestamp with time zone,
+	"since_ack" interval
+)
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_get_consumers_wrapper';
+COMMENT ON FUNCTION streampos.stat_get_consumers() IS 'Each consumer''s position and lag (see the view consumers)';
+CREATE OR REPLACE VIEW streampos.consumers AS
+SELECT c.stream_name, c.consumer_name, c.owner::pg_catalog.regrole AS owner, c.position::streampos.multi_writer_token AS position,
+       c.lag_ids, c.lag_time, c.registered_at, c.acked_at, c.since_ack
+FROM streampos.stat_get_consumers() c;
+
 -- What a prepared transaction may hold rows of (src/prepared.rs): the
 -- lowest ID of every hold given out in the database when it was prepared,
 -- per stream and writer (instance 0: every writer). Its own rows, gone with

@@ -845,6 +845,23 @@ AS 'MODULE_PATHNAME', 'set_writers_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+CREATE  FUNCTION "stat_get_consumers"() RETURNS TABLE (
+	"stream_name" TEXT, 
+	"consumer_name" TEXT, 
+	"owner" oid, 
+	"position" TEXT, 
+	"lag_ids" bigint, 
+	"lag_time" interval, 
+	"registered_at" timestamp with time zone, 
+	"acked_at" timestamp with time zone, 
+	"since_ack" interval 
+)
+STRICT VOLATILE PARALLEL RESTRICTED
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stat_get_consumers_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "stat_get_registry"() RETURNS TABLE (
 	"streams_loaded" INT, 
 	"streams_used" INT, 
@@ -1307,33 +1324,18 @@ CREATE TRIGGER catalog_rows_stay_local BEFORE INSERT OR UPDATE OR DELETE ON fron
     FOR EACH ROW EXECUTE FUNCTION catalog_rows_stay_local();
 ALTER TABLE frontier_marks ENABLE ALWAYS TRIGGER catalog_rows_stay_local;
 
--- Per consumer, for the reader's snapshot: how far behind the stream's
--- current token it is, in IDs (its lowest position against the newest
--- finished ID; 0 when it has acknowledged the whole token) and in time
--- (since the first mark the consumer has not acknowledged: how long the
--- current token has been past its position, to within the marks'
--- resolution, counted at the statement's start), and since when it has
--- not acknowledged.
+-- Per consumer: how far behind the stream's current token it is, in IDs
+-- (its lowest position against the newest finished ID; 0 when it has
+-- acknowledged the whole token) and in time (since the first mark the
+-- consumer has not acknowledged: how long the current token has been past
+-- its position, to within the marks' resolution, counted at the
+-- statement's start), and since when it has not acknowledged. Read by a
+-- function that never waits for a lock (55P03 names what is locked), as
+-- every monitoring read.
 CREATE VIEW consumers AS
-SELECT c.stream_name, c.consumer_name, c.owner, c.position,
-       CASE WHEN is_before_or_eq(t.current, c.position) THEN 0
-            ELSE GREATEST(0,
-                max_stream_pos(t.current) OPERATOR(pg_catalog.-) stream_pos(c.position))
-       END AS lag_ids,
-       CASE WHEN is_before_or_eq(t.current, c.position) THEN interval '0'
-            ELSE GREATEST(interval '0',
-                pg_catalog.statement_timestamp() OPERATOR(pg_catalog.-)
-                    (SELECT m.marked_at FROM frontier_marks m
-                     WHERE m.stream_name OPERATOR(pg_catalog.=) c.stream_name
-                       AND NOT is_before_or_eq(m.position, c.position)
-                     ORDER BY m.marked_at LIMIT 1))
-       END AS lag_time,
-       c.registered_at, c.acked_at,
-       GREATEST(interval '0',
-           pg_catalog.statement_timestamp() OPERATOR(pg_catalog.-) COALESCE(c.acked_at, c.registered_at))
-           AS since_ack
-FROM consumer_positions c,
-     LATERAL (SELECT current_token(c.stream_name) AS current) t;
+SELECT c.stream_name, c.consumer_name, c.owner::regrole AS owner, c.position::multi_writer_token AS position,
+       c.lag_ids, c.lag_time, c.registered_at, c.acked_at, c.since_ack
+FROM stat_get_consumers() c;
 GRANT SELECT ON consumers TO PUBLIC;
 
 -- Privileges. Reading functions and token functions are for every role
@@ -1459,6 +1461,7 @@ COMMENT ON FUNCTION ack(text, text, multi_writer_token) IS
 COMMENT ON FUNCTION safe_to_delete(text) IS
     'The position up to which every consumer of the stream has acknowledged every row (NULL: no consumers)';
 COMMENT ON FUNCTION stat_get_streams() IS 'Statistics of each stream of this database (see the view stat_streams)';
+COMMENT ON FUNCTION stat_get_consumers() IS 'Each consumer''s position and lag (see the view consumers)';
 COMMENT ON FUNCTION stat_get_registry() IS 'Statistics of the in-flight registry (see the view stat_registry)';
 COMMENT ON FUNCTION stat_reset() IS
     'Start the counters of this database''s streams, and the registry''s, again from zero';

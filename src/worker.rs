@@ -425,6 +425,7 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
             held_since,
             stored: false,
             current: true,
+            frontier,
         };
         if state.written.get(&key) != Some(&token) {
             quiet = false;

@@ -125,6 +125,8 @@ fn in_flight(
     ),
 > {
     registry::require_loaded().or_raise();
+    // A monitoring read: never waits for a lock (sql/monitoring.rs).
+    sql::lock_catalog_at_once("streampos.in_flight()", sql::CATALOG_TABLES).or_raise();
     if let Some(name) = stream {
         catalog::stream(name).or_raise();
     }

@@ -26,6 +26,48 @@ fn timestamp(t: pg_sys::TimestampTz) -> Option<TimestampWithTimeZone> {
         .flatten()
 }
 
+const STAT_STREAMS: &str = "streampos.stat_streams";
+
+/// A monitoring read never waits for a lock (`sql/monitoring.rs`): lock
+/// what `view` may read in database `db` (with `consumers`: the consumers'
+/// tables too), each only if granted at once, or 55P03 naming what is
+/// locked. Whether `stream_frontiers` is readable (false: it is locked,
+/// and nothing but the stored frontier `stat_streams` shows needs it).
+fn monitoring_locks(view: &str, db: pg_sys::Oid, consumers: bool) -> bool {
+    sql::lock_catalog_at_once(view, sql::CATALOG_TABLES).or_raise();
+    if consumers {
+        sql::lock_catalog_at_once(view, sql::CONSUMER_TABLES).or_raise();
+    }
+    let frontiers = sql::frontiers_at_once();
+    let standby = crate::backend::in_recovery();
+    if standby {
+        sql::lock_catalog_at_once(view, sql::STANDBY_TABLES).or_raise();
+    }
+    // A stream nothing used since start-up is loaded by the read (not on
+    // a standby, which answers from the stored positions).
+    let streams = catalog::streams_by_key();
+    let loaded = registry::stats::streams(db).or_raise();
+    let to_load: Vec<_> = streams
+        .values()
+        .filter(|m| !standby && !loaded.iter().any(|s| s.key == m.key && s.seq == m.seq))
+        .collect();
+    if !to_load.is_empty() {
+        sql::lock_catalog_at_once(view, sql::LOADING_TABLES).or_raise();
+        for meta in &to_load {
+            sql::lock_stream_at_once(view, &meta.name, meta.seq).or_raise();
+        }
+    }
+    if !frontiers && (!to_load.is_empty() || standby) {
+        sql::frontiers_locked(view).report();
+    }
+    // Loaded here, as the caller (the view `consumers` reads its rows as
+    // the extension's owner, as the view did).
+    for meta in to_load {
+        engine::answer(meta);
+    }
+    frontiers
+}
+
 #[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_restricted)]
 fn stat_get_streams() -> TableIterator<
@@ -54,6 +96,7 @@ fn stat_get_streams() -> TableIterator<
     registry::require_loaded().or_raise();
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
+    let frontiers_readable = monitoring_locks(STAT_STREAMS, db, false);
     let mut streams: Vec<_> = catalog::streams_by_key().into_values().collect();
     streams.sort_by(|a, b| a.name.cmp(&b.name));
     // Positions first: they load a stream's state if nothing used it
@@ -86,7 +129,13 @@ fn stat_get_streams() -> TableIterator<
             .iter()
             .filter(|r| r.pid.is_some() && r.since != 0)
             .min_by_key(|r| r.since);
-        let stored = sql::stored_frontier(&meta.name);
+        // While `stream_frontiers` is locked: the frontier of the worker's
+        // last pass that stored it (never above what it stored).
+        let stored = if frontiers_readable {
+            sql::stored_frontier(&meta.name)
+        } else {
+            s.and_then(|s| s.stored_frontier)
+        };
         let store_lag_ids = stored.map(|f| (frontier - f).max(0));
         // Since the worker last found the stored positions current, or was
         // last asked to start (after it left for want of work).
@@ -159,6 +208,43 @@ fn stat_get_registry() -> TableIterator<
         r.position_workers as i32,
         timestamp(r.reset_at),
     ))
+}
+
+/// The rows of the view `consumers`: each consumer's position and lag,
+/// read without waiting for a lock (`monitoring_locks`).
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_restricted)]
+fn stat_get_consumers() -> TableIterator<
+    'static,
+    (
+        name!(stream_name, String),
+        name!(consumer_name, String),
+        name!(owner, pg_sys::Oid),
+        name!(position, Option<String>),
+        name!(lag_ids, Option<i64>),
+        name!(lag_time, Option<Interval>),
+        name!(registered_at, Option<TimestampWithTimeZone>),
+        name!(acked_at, Option<TimestampWithTimeZone>),
+        name!(since_ack, Option<Interval>),
+    ),
+> {
+    registry::require_loaded().or_raise();
+    // SAFETY: MyDatabaseId is set once the backend is connected.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    monitoring_locks("streampos.consumers", db, true);
+    TableIterator::new(sql::consumer_rows().into_iter().map(|r| {
+        (
+            r.stream_name,
+            r.consumer_name,
+            r.owner,
+            r.position,
+            r.lag_ids,
+            r.lag_time,
+            r.registered_at,
+            r.acked_at,
+            r.since_ack,
+        )
+    }))
 }
 
 /// Start the counters of this database's streams, and the registry's, from

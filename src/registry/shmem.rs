@@ -271,6 +271,12 @@ pub(super) struct Monitor {
     /// The worker's last pass that left the stored positions equal to the
     /// ones it computed (0: none).
     pub current_at: AtomicI64,
+    /// The frontier (internal numbering) of the worker's last pass that
+    /// stored the positions or found them current: never above the stored
+    /// frontier (the store's later statement may store a higher one).
+    /// Meaningful once `last_store` or `current_at` is set; `stat_streams`
+    /// shows it while `stream_frontiers` is locked.
+    pub stored_frontier: AtomicI64,
     /// Backends sleeping in `wait_for` or `updates` on the stream.
     pub followers: AtomicU32,
     /// When `stat_reset()` last reset the stream's counters (0: never).

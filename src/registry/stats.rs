@@ -34,6 +34,9 @@ pub struct StreamStats {
     pub last_store: pg_sys::TimestampTz,
     pub current_at: pg_sys::TimestampTz,
     pub reset_at: pg_sys::TimestampTz,
+    /// The frontier of the worker's last pass that stored the positions or
+    /// found them current (None: no such pass since start-up).
+    pub stored_frontier: Option<i64>,
 }
 
 /// The statistics of the streams of database `db` that have a state in
@@ -55,6 +58,9 @@ pub fn streams(db: pg_sys::Oid) -> Result<Vec<StreamStats>, Error> {
             last_store: s.monitor.last_store.load(Ordering::Relaxed),
             current_at: s.monitor.current_at.load(Ordering::Relaxed),
             reset_at: s.monitor.reset_at.load(Ordering::Relaxed),
+            stored_frontier: (s.monitor.last_store.load(Ordering::Acquire) != 0
+                || s.monitor.current_at.load(Ordering::Acquire) != 0)
+                .then(|| s.monitor.stored_frontier.load(Ordering::Relaxed)),
         })
         .collect())
 }
@@ -150,7 +156,13 @@ pub(super) fn reset_stream(s: &mut StreamState) {
     s.xact_commit = 0;
     s.xact_rollback = 0;
     let m = &s.monitor;
-    for t in [&m.held_since, &m.last_store, &m.current_at, &m.reset_at] {
+    for t in [
+        &m.held_since,
+        &m.last_store,
+        &m.current_at,
+        &m.reset_at,
+        &m.stored_frontier,
+    ] {
         t.store(0, Ordering::Relaxed);
     }
 }
@@ -193,6 +205,8 @@ pub struct PassMark {
     /// The stored positions are what the pass computed (stored now, or
     /// already).
     pub current: bool,
+    /// The frontier the pass computed (internal numbering).
+    pub frontier: i64,
 }
 
 /// The position worker notes a pass (at `now`), under the lock shared: a
@@ -212,11 +226,16 @@ pub fn record_pass(db: pg_sys::Oid, marks: &[PassMark], now: pg_sys::TimestampTz
         }
         let monitor = &s.monitor;
         monitor.held_since.store(m.held_since, Ordering::Relaxed);
+        if m.stored || m.current {
+            // Before the times (released by their stores): a reader that
+            // sees a time sees this pass's frontier or a later one.
+            monitor.stored_frontier.store(m.frontier, Ordering::Relaxed);
+        }
         if m.stored {
-            monitor.last_store.store(now, Ordering::Relaxed);
+            monitor.last_store.store(now, Ordering::Release);
         }
         if m.current {
-            monitor.current_at.store(now, Ordering::Relaxed);
+            monitor.current_at.store(now, Ordering::Release);
         }
     }
 }

@@ -39,6 +39,7 @@
 //! | `followers.rs` | what `updates` reads, as JSON |
 //! | `index_read.rs` | `updates`' rows read through the ID index, without SQL, where no other role's code can run |
 //! | `json_text.rs` | JSON text in PostgreSQL's memory, as `jsonb_out` prints it: `updates_json`'s answer |
+//! | `monitoring.rs` | monitoring reads' locks, each taken only if granted at once; the consumers view's rows |
 //! | `worker.rs` | the position worker's locks, stored positions, frontier marks, notifications |
 //! | `adoption.rs` | `adopt_synapse`: Synapse's schema read, the catalog written |
 //! | `consumer_row.rs` | `ack`'s write of a consumer's row, without SQL: found by its key, locked and updated as an `UPDATE` would |
@@ -62,6 +63,7 @@ mod followers;
 mod index_read;
 mod json_text;
 mod kept;
+mod monitoring;
 mod privileges;
 mod sequences;
 mod stream_tables;
@@ -74,6 +76,7 @@ pub use consumers::*;
 pub use followers::*;
 pub use index_read::*;
 pub use kept::*;
+pub use monitoring::*;
 pub use privileges::*;
 pub use sequences::*;
 pub use stream_tables::*;
