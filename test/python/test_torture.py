@@ -228,6 +228,26 @@ def test_contract_checker_reports_each_kind_of_violation(fault):
     assert report.counts[kind] >= 1, (kind, report.found(), report.details)
 
 
+FOLLOWER_FAULTS = {
+    # (ordered, delivered, kind): the rows wanted are 1 (w1), 2 (w2), 3 (w1).
+    "missed": (False, [(1, "w1"), (3, "w1")], "follower_missed"),
+    "repeated": (False, [(1, "w1"), (2, "w2"), (1, "w1"), (3, "w1")], "follower_repeated"),
+    "extra": (False, [(1, "w1"), (2, "w2"), (3, "w1"), (4, "w2")], "follower_extra"),
+    "writer-out-of-order": (False, [(3, "w1"), (2, "w2"), (1, "w1")], "follower_out_of_order"),
+    "global-out-of-order": (True, [(2, "w2"), (1, "w1"), (3, "w1")], "follower_out_of_order"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FOLLOWER_FAULTS))
+def test_follower_checker_reports_each_kind(fault):
+    wanted = {1: "w1", 2: "w2", 3: "w1"}
+    ordered, delivered, kind = FOLLOWER_FAULTS[fault]
+    found = torture.follower_findings(ordered, delivered, wanted)
+    assert found[kind], (fault, found)
+    assert not any(torture.follower_findings(ordered, [(2, "w2"), (1, "w1"), (3, "w1")] if not ordered
+                                             else [(1, "w1"), (2, "w2"), (3, "w1")], wanted).values())
+
+
 def test_snapshot_visibility_matches_postgresql(db):
     """torture.sees_ended is pg_visible_in_snapshot for top-level xids."""
     text = "1000:1010:1001,1004,1007"
@@ -245,6 +265,23 @@ def test_torture_with_checkpoints(database, stream):
     print(torture.summary_line(r))
     assert r["checkpoints"] >= 5 and r["spanning"] >= 10, (r["checkpoints"], r["spanning"])
     assert_clean_run(r, min_commits=100)
+
+
+def test_torture_with_followers(database, stream):
+    """A follower and an ordered follower (updates_json, ordered => true)
+    beside the writers and readers, each call with a random max_rows and
+    long poll: every committed row reaches each exactly once, nothing
+    rolled back, each writer's rows in ID order, and the ordered follower's
+    in global ID order across all its calls (the model's follower_* kinds).
+    Forward streams only: updates() follows no backward stream."""
+    r = torture.run(conninfo(), stream, seconds=8, writers=4, instances=3, readers=2,
+                    modes=torture.scenario_options(["followers"])["modes"])
+    print(torture.summary_line(r), r["follower_summary"])
+    assert_clean_run(r, min_commits=100)
+    assert {f["mode"] for f in r["follower_summary"]} == {"follower", "ordered_follower"}
+    committed = sum(len(ids) for ids in r["committed"].values())
+    for f in r["follower_summary"]:
+        assert f["calls"] >= 20 and f["rows"] >= committed, f
 
 
 def test_torture_with_more_than_64_writers(database, stream):

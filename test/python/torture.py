@@ -96,6 +96,19 @@ and, each in a thread of its own (``--modes`` or ``--scenario``):
                 like any sample, and it must catch up with the primary once
                 the writers stopped (``standby_no_catch_up``)
 
+``follower``    a follower (scenario ``followers``): ``updates_json`` in a
+                loop from the token current before the writers started, each
+                call with a random ``max_rows`` (1 to 500) and ``timeout_ms``
+                (0 or a long poll), the next call from the answer's token;
+                once the writers stopped it drains what is left. Every
+                committed row must arrive exactly once
+                (``follower_missed``, ``follower_repeated``), no row that is
+                not in the final table (``follower_extra``), and each
+                writer's rows in ID order (``follower_out_of_order``)
+``ordered_follower`` the same with ``ordered => true``: every row in global
+                ID order across all its calls (``follower_out_of_order``).
+                Forward streams only (``updates`` follows no backward one)
+
 Load variations: ``--checkpoint-ms N`` runs CHECKPOINT every ~N ms while a
 quarter of the transactions allocate, wait for the next checkpoint, and
 allocate again (scenario ``checkpoint``); ``--open-stream`` creates the
@@ -147,9 +160,9 @@ DEFAULT_INSTANCE_PREFIX = "torture_w"
 # The reader modes each reader cycles through.
 MODES = ("rc", "rr", "stmt_filter", "stmt_cte", "token", "cursor", "imported")
 # Modes that run in a thread of their own.
-THREAD_MODES = ("long_cursor", "standby")
+THREAD_MODES = ("long_cursor", "standby", "follower", "ordered_follower")
 ALL_MODES = MODES + THREAD_MODES
-SCENARIOS = ("checkpoint", "many_writers", "long_cursor", "standby")
+SCENARIOS = ("checkpoint", "many_writers", "long_cursor", "standby", "followers")
 # The per-transaction answer cache of 0.2.0 kept this many snapshots.
 CACHED_SNAPSHOTS = 8192
 
@@ -164,6 +177,10 @@ KINDS = (
     "standby_covers_in_flight",
     "standby_went_back",
     "standby_no_catch_up",
+    "follower_missed",
+    "follower_repeated",
+    "follower_extra",
+    "follower_out_of_order",
 )
 
 
@@ -804,6 +821,9 @@ class _State:
         self.long_cursors = []
         # standby mode
         self.standby_conflicts = 0
+        # follower modes: (mode, [(internal id, instance) in delivery order],
+        # last token, calls, error) per follower
+        self.followers = []
 
     def wait_checkpoint(self, seen, timeout):
         with self.checkpoint_cond:
@@ -1400,6 +1420,31 @@ class _Reader:
 
     # ---- standby
 
+    def run_follower(self, since, ordered):
+        """A follower of the stream (modes ``follower``, ``ordered_follower``):
+        ``updates_json`` from ``since`` until the run stops, recorded for
+        ``check_followers``."""
+        st, rng = self.st, self.rng
+        mode = "ordered_follower" if ordered else "follower"
+        delivered, calls, conn = [], 0, None
+        try:
+            conn = connect(self.conninfo)
+            while not st.stop.is_set():
+                max_rows = rng.choice((1, 3, 50, 500))
+                timeout_ms = rng.choice((0, 0, 200))
+                since, _ = follow_once(conn, self.stream, since, max_rows, timeout_ms, ordered, self.sign, delivered)
+                calls += 1
+        except Exception as e:
+            self.failed(e)
+        finally:
+            with st.lock:
+                st.followers.append((mode, delivered, since, calls))
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+
     def run_standby(self, standby_conninfo):
         st, rng, s = self.st, self.rng, self.stream
         q = sql.SQL(
@@ -1441,6 +1486,72 @@ class _Reader:
                     conn.close()
                 except Exception:
                     pass
+
+
+FOLLOW = "SELECT streampos.updates_json(%s, %s, %s, %s, ordered => %s)"
+
+
+def follow_once(conn, stream, since, max_rows, timeout_ms, ordered, sign, delivered):
+    """One ``updates_json`` call from ``since``: its rows' (internal ID,
+    instance) appended to ``delivered`` in the answer's order (tables merged
+    in ID order); returns (the answer's token, whether it was limited)."""
+    answer = conn.execute(FOLLOW, (stream, since, max_rows, timeout_ms, ordered)).fetchone()[0]
+    data, rows, i = answer["data"], [], 0
+    while i < len(data):
+        count = data[i][2]
+        rows.extend(data[i + 1 : i + 1 + count])
+        i += 1 + count
+    rows.sort(key=lambda r: sign * int(r[0]))
+    delivered.extend((sign * int(r[0]), r[1]) for r in rows)
+    return answer["token"], answer["limited"]
+
+
+def follower_findings(ordered, delivered, wanted):
+    """What a follower was given (``delivered``: (internal ID, instance) in
+    delivery order) against ``wanted`` ({internal ID: instance}): {kind:
+    [finding, ...]} for the follower_* kinds."""
+    seen, repeated, extra, out_of_order = set(), [], [], []
+    last_by_writer, last = {}, None
+    for i, inst in delivered:
+        if i in seen:
+            repeated.append(i)
+        seen.add(i)
+        if i not in wanted:
+            extra.append(i)
+        if ordered and last is not None and i <= last:
+            out_of_order.append((last, i))
+        elif inst in last_by_writer and i <= last_by_writer[inst]:
+            out_of_order.append((last_by_writer[inst], i))
+        last_by_writer[inst] = i
+        last = i
+    return {
+        "follower_missed": sorted(set(wanted) - seen),
+        "follower_repeated": repeated,
+        "follower_extra": extra,
+        "follower_out_of_order": out_of_order,
+    }
+
+
+def check_followers(conninfo, result, report, wanted):
+    """Drain each follower from its last token (the writers have stopped
+    and nothing is in flight), then check what it was given against
+    ``wanted`` ({internal ID: instance}: the committed rows of the run)."""
+    sign = -1 if result["backwards"] else 1
+    summary = []
+    with connect(conninfo) as conn:
+        for mode, delivered, since, calls in result["followers"]:
+            ordered = mode == "ordered_follower"
+            delivered = list(delivered)
+            for _ in range(10000):
+                since, limited = follow_once(conn, result["stream"], since, 1000, 0, ordered, sign, delivered)
+                calls += 1
+                if not limited:
+                    break
+            for kind, found in follower_findings(ordered, delivered, wanted).items():
+                if found:
+                    report.add(kind, f"{mode}: {len(found)}, first {found[:8]} ({calls} calls, {len(delivered)} rows)")
+            summary.append({"mode": mode, "calls": calls, "rows": len(delivered)})
+    result["follower_summary"] = summary
 
 
 def _signed_token(token, sign):
@@ -1639,6 +1750,9 @@ def verify(conninfo, result, progress_timeout=5.0, standby_timeout=20.0):
             i for i, n in acknowledged.items() if i in table_ids and table_ids[i] != n
         )
         result["uncertain_committed"] = sum(1 for i in uncertain if i in table_ids)
+        if result.get("followers"):
+            wanted = {sign * i: n for i, n in table_ids.items() if i not in initial}
+            check_followers(conninfo, result, report, wanted)
 
         by_mode = {}
         violations, details = recheck_samples(
@@ -1711,6 +1825,8 @@ def scenario_options(scenarios, options=None):
             out["open_stream"] = True
         elif name == "long_cursor":
             modes += ("long_cursor",) if "long_cursor" not in modes else ()
+        elif name == "followers":
+            modes += tuple(m for m in ("follower", "ordered_follower") if m not in modes)
         elif name == "standby":
             modes += ("standby",) if "standby" not in modes else ()
             out["open_stream"] = True
@@ -1852,6 +1968,16 @@ def run(
                      tolerate_disconnect, backwards, window, start)
         reader_threads.append(threading.Thread(target=rd.run_standby, args=(standby,), name="torture-standby",
                                                daemon=True))
+    if "follower" in modes or "ordered_follower" in modes:
+        # Followers start from the token current before any writer runs:
+        # every row the run commits is theirs to receive.
+        with connect(conninfo) as conn:
+            start_token = conn.execute("SELECT streampos.current_token(%s)::text", (stream,)).fetchone()[0]
+        for k, mode in enumerate(m for m in ("follower", "ordered_follower") if m in modes):
+            rd = _Reader(conninfo, st, stream, table, names, readers + 2 + k, seed * 104729 + readers + 2 + k,
+                         tolerate_disconnect, backwards, window, start)
+            reader_threads.append(threading.Thread(target=rd.run_follower, args=(start_token, mode != "follower"),
+                                                   name=f"torture-{mode}", daemon=True))
     if checkpoint_ms:
         helpers.append(threading.Thread(target=_checkpointer,
                                         args=(conninfo, st, checkpoint_ms, seed * 31 + 1, tolerate_disconnect),
@@ -1906,6 +2032,7 @@ def run(
         "churned": st.churned,
         "standby_conninfo": standby if "standby" in modes else None,
         "standby_conflicts": st.standby_conflicts,
+        "followers": st.followers,
         "verified": False,
         "ok": False,
     }
