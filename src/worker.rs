@@ -78,7 +78,20 @@ pub fn ensure_running() -> bool {
 pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
     let db = pg_sys::Oid::from(arg.value() as u32);
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // A database dropped between the allocation that asked for this worker
+    // and its start: the connection ends the process with a FATAL that
+    // asks nothing of an operator (Synapse's tests drop databases that
+    // fast hundreds of times a run). Kept out of the server log; the
+    // postmaster still logs the worker's exit at LOG.
+    // SAFETY: this process's hook, set before and restored after the
+    // connection, chaining to whatever was there.
+    unsafe {
+        PREVIOUS_EMIT_LOG_HOOK = pg_sys::emit_log_hook;
+        pg_sys::emit_log_hook = Some(quiet_dropped_database);
+    }
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
+    // SAFETY: as above.
+    unsafe { pg_sys::emit_log_hook = PREVIOUS_EMIT_LOG_HOOK };
     if !registry::claim_worker_slot(db).unwrap_or(false) {
         // Another worker serves this database.
         return;
@@ -106,9 +119,10 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
             // Each pass is a transaction of its own, so it computes fresh
             // positions (answers are kept per transaction, see engine.rs).
             let pass_state = std::panic::AssertUnwindSafe(&mut state);
-            let outcome = BackgroundWorker::transaction(move || {
+            let (outcome, dropping) = BackgroundWorker::transaction(move || {
                 let pass_state = pass_state;
-                yielding_locks(|| pass(db, pass_state.0))
+                let outcome = yielding_locks(|| pass(db, pass_state.0));
+                (outcome, database_wanted_exclusively(db))
             });
             match outcome {
                 Pass::ExtensionGone => break,
@@ -124,8 +138,12 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
             // dropped (DROP DATABASE waits only 5 s for other sessions, and
             // not for background workers). The next allocation starts a
             // worker again.
+            // At once when a DROP DATABASE (or a rename, a move to another
+            // tablespace) waits for the database's sessions to end: its
+            // wait would otherwise last until this worker's idle time is up.
             if !stopping
-                && state.last_activity.elapsed() >= Duration::from_millis(IDLE_EXIT_MS)
+                && (dropping
+                    || state.last_activity.elapsed() >= Duration::from_millis(IDLE_EXIT_MS))
                 && registry::leave_if_idle(db, &state.generations)
             {
                 break;
@@ -136,6 +154,65 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         }
     }
     registry::release_worker_slot(db);
+}
+
+static mut PREVIOUS_EMIT_LOG_HOOK: pg_sys::emit_log_hook_type = None;
+
+/// SQLSTATE 3D000 as PostgreSQL encodes it (MAKE_SQLSTATE: six bits a
+/// character, the first lowest); pgrx names no such code.
+const UNDEFINED_DATABASE: i32 = {
+    let code = *b"3D000";
+    let mut value = 0;
+    let mut i = 0;
+    while i < 5 {
+        value |= ((code[i] - b'0') as i32 & 0x3F) << (6 * i);
+        i += 1;
+    }
+    value
+};
+
+/// While the worker connects: "database … does not exist" (3D000, a
+/// FATAL) is not written to the server log.
+#[pg_guard]
+unsafe extern "C-unwind" fn quiet_dropped_database(edata: *mut pg_sys::ErrorData) {
+    // SAFETY: PostgreSQL passes the error being reported; the previous
+    // hook is called as it would have been.
+    unsafe {
+        if (*edata).sqlerrcode == UNDEFINED_DATABASE {
+            (*edata).output_to_server = false;
+        }
+        if let Some(previous) = PREVIOUS_EMIT_LOG_HOOK {
+            previous(edata);
+        }
+    }
+}
+
+/// Does a command hold or wait for the database's lock exclusively? DROP
+/// DATABASE, ALTER DATABASE … RENAME and … SET TABLESPACE take it, then
+/// wait up to 5 s for the database's other sessions to end, and fail if
+/// one stays. Asked with a conditional lock that the transaction's end
+/// releases (in a transaction: it needs its resource owner).
+fn database_wanted_exclusively(db: pg_sys::Oid) -> bool {
+    let tag = pg_sys::LOCKTAG {
+        // A shared object: no database in the tag.
+        locktag_field1: 0,
+        locktag_field2: pg_sys::DatabaseRelationId.to_u32(),
+        locktag_field3: db.to_u32(),
+        locktag_field4: 0,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_OBJECT as u8,
+        locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
+    };
+    // SAFETY: a conditional, transaction-level lock (released when the
+    // pass's transaction ends); it raises no error when not granted.
+    let result = unsafe {
+        pg_sys::LockAcquire(
+            &tag,
+            pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+            false,
+            true,
+        )
+    };
+    result == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
 }
 
 #[pg_guard]

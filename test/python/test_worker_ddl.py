@@ -331,3 +331,63 @@ def test_drop_database_after_activity(database):
     # store; PostgreSQL gives up after 5 s), then for its checkpoint.
     print(f"DROP DATABASE took {min(waits):.1f} to {max(waits):.1f} s")
     assert worker_failures(log) == []
+
+
+def test_drop_database_does_not_wait_for_the_worker_to_be_idle(database):
+    """The worker leaves as soon as a DROP DATABASE waits for the
+    database's sessions (it holds the database's lock exclusively while it
+    waits), not 2 s after its last activity: right after a store the DROP
+    took about 2 s, Synapse's test clean-up that many seconds per test."""
+    log = ServerLog()
+    waits = []
+    for _ in range(3):
+        name = f"streampos_ddl_quick_drop_{uuid.uuid4().hex[:6]}"
+        with connect_raw("postgres") as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            with connect_raw(name) as w:
+                w.execute("CREATE EXTENSION streampos")
+                make_stream_table(w, "events")
+                w.execute("INSERT INTO events_rows VALUES (streampos.next_id('events', 'w1'), 'w1')")
+                wait_until(lambda: stored_positions(w, "events") == {"w1": 1}, timeout=10,
+                           message="the worker to store the positions")
+            started = time.monotonic()
+            with connect_raw("postgres") as admin:
+                admin.execute(f'DROP DATABASE "{name}"')
+            waits.append(time.monotonic() - started)
+        except BaseException:
+            drop_database(name)
+            raise
+    print(f"DROP DATABASE right after a store took {min(waits):.2f} to {max(waits):.2f} s")
+    # A pass every 200 ms notices the DROP; the idle exit came after 2 s.
+    assert min(waits) < 1.0, waits
+    assert worker_failures(log) == []
+
+
+def test_a_worker_started_for_a_database_just_dropped_logs_no_error(database):
+    """A database dropped between the allocation that starts its worker and
+    the worker's connection: the worker ends, and the server log has no
+    FATAL "database … does not exist" (Synapse's tests made hundreds a run).
+    Rounds go on until such a start was seen (the postmaster logs the
+    worker's exit, at LOG), at most 40."""
+    log = ServerLog()
+    seen = 0
+    for _ in range(40):
+        name = f"streampos_ddl_gone_{uuid.uuid4().hex[:6]}"
+        with connect_raw("postgres") as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+            with connect_raw(name) as w:
+                w.execute("CREATE EXTENSION streampos")
+                create_stream(w, "events")
+                w.execute("BEGIN")
+                w.execute("SELECT streampos.next_id('events', 'w1')")
+                w.execute("COMMIT")
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        time.sleep(0.2)
+        seen = sum(1 for line in log.lines()
+                   if 'background worker "streampos position worker"' in line and "exit code 1" in line)
+        if seen >= 2:
+            break
+    lines = log.lines()
+    assert seen >= 1, "no worker started for a dropped database: the test proved nothing"
+    assert not [line for line in lines if "does not exist" in line and ("FATAL" in line or "ERROR" in line)], lines[-20:]

@@ -376,17 +376,32 @@ _by_pool_lock = threading.Lock()
 
 
 def new_sessions(db: "DatabasePool") -> Sessions:
-    """Sessions connecting as ``db``'s connection pool does, now."""
-    pool = db._db_pool
+    """Sessions connecting as ``db``'s connection pool does, now.
+
+    They refer to the pool and the reactor weakly: ``_by_pool`` holds them
+    as the value of the pool's key, and a value that referred to its key
+    would keep the pool, and every connection in it, alive for good. A
+    query Synapse dispatched before its shutdown opens one more connection
+    in the closed pool (tests.app.test_homeserver_shutdown); only the pool's
+    collection closes it, and until then the database cannot be dropped."""
+    pool_ref = weakref.ref(db._db_pool)
+    reactor_ref = weakref.ref(db.hs.get_reactor())
 
     def connect() -> Any:
+        pool = pool_ref()
+        if pool is None:
+            raise HoldLostError("the homeserver's connection pool is gone: no new stream IDs")
         conn = pool.dbapi.connect(*pool.connargs, **pool.connkw)
         if pool.openfun is not None:
             pool.openfun(conn)  # Synapse's set-up of a new connection
         return conn
 
-    reactor = db.hs.get_reactor()
-    return Sessions(connect, db.engine, db.server_name, lambda f: reactor.callLater(0, f))
+    def call_soon(f: Callable[[], None]) -> None:
+        reactor = reactor_ref()
+        if reactor is not None:
+            reactor.callLater(0, f)
+
+    return Sessions(connect, db.engine, db.server_name, call_soon)
 
 
 def sessions_for(db: "DatabasePool") -> Sessions:
