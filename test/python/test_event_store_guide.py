@@ -137,3 +137,33 @@ def test_the_readers_loop_of_the_guide(connect, stream):
     assert db.execute(f"SELECT stream_id, events FROM {stream}_orders ORDER BY 1").fetchall() == [
         ("order-0", 2), ("order-1", 1)]
     assert one(db, "SELECT streampos.safe_to_delete(%s)::text", (stream,)) == "3"
+
+
+def test_the_limits_the_guide_states(connect, db, stream):
+    """The guide's "Limits": one transaction allocates from at most
+    streampos.max_streams_per_transaction (stream, writer) pairs (53400
+    beyond, naming the setting, and the earlier pairs' IDs are still its
+    own); next_ids takes at most 1 000 000 IDs a call (22023 beyond); a
+    transaction may hold any number of IDs across calls (one entry per
+    pair, whatever the count). A stream open to any writer remembers 1024
+    writers (test_fixed_tables.py); a server, streampos.max_streams streams
+    (test_torture.py::test_registry_exhaustion_in_one_transaction)."""
+    create_stream(db, stream)
+    pairs = int(one(db, "SHOW streampos.max_streams_per_transaction"))
+    writer = connect()
+    writer.execute("BEGIN")
+    for w in range(pairs):
+        one(writer, "SELECT streampos.next_id(%s, %s)", (stream, f"tenant_{w}"))
+    err = expect_error(writer, "SELECT streampos.next_id(%s, 'one_more_tenant')", (stream,), sqlstate="53400")
+    assert "streampos.max_streams_per_transaction" in (err.diag.message_hint or ""), err.diag.message_hint
+    writer.execute("ROLLBACK")
+
+    err = expect_error(db, "SELECT streampos.next_ids(%s, 'importer', 1000001)", (stream,), sqlstate="22023")
+    assert err.diag.message_detail == "n must be between 1 and 1000000."
+    before = one(db, "SELECT streampos.frontier(%s)", (stream,))
+    with db.transaction():
+        for _ in range(3):
+            ids = one(db, "SELECT streampos.next_ids(%s, 'importer', 1000000)", (stream,))
+            assert len(ids) == 1000000
+        assert one(db, "SELECT count(*) FROM streampos.in_flight(%s)", (stream,)) == 1
+    assert one(db, "SELECT streampos.frontier(%s)", (stream,)) == before + 3000000
