@@ -62,6 +62,10 @@ as_postgres() {
     fi
 }
 
+# The custom WAL resource manager id test servers use (README,
+# "Followers on hot standbys").
+STREAMPOS_TEST_RMGR_ID=${STREAMPOS_TEST_RMGR_ID:-171}
+
 # cluster_start DATADIR PORT [extra postgresql.conf lines...]
 cluster_start() {
     local data=$1 port=$2
@@ -78,6 +82,9 @@ cluster_start() {
             echo "max_connections = 120"
             echo "max_prepared_transactions = 4"
             echo "fsync = on"
+            # Standby followers woken by replay (docs/design.md): every
+            # test server and its standbys log and replay the records.
+            echo "streampos.standby_wakeup_rmgr_id = $STREAMPOS_TEST_RMGR_ID"
             for line in "$@"; do echo "$line"; done
         } >>"$data/postgresql.conf"
     fi

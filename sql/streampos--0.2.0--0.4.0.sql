@@ -380,6 +380,15 @@ SELECT c.stream_name, c.consumer_name, c.owner::pg_catalog.regrole AS owner, c.p
        c.lag_ids, c.lag_time, c.registered_at, c.acked_at, c.since_ack
 FROM streampos.stat_get_consumers() c;
 
+-- Followers on a hot standby are woken by replay (streampos.standby_wakeup_rmgr_id):
+-- how many such records this server replayed.
+CREATE FUNCTION streampos.standby_wakeups_replayed() RETURNS bigint
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'standby_wakeups_replayed_wrapper';
+COMMENT ON FUNCTION streampos.standby_wakeups_replayed() IS
+    'Records of the primary''s position worker replayed here since start-up, each waking followers on this standby';
+
 -- What a prepared transaction may hold rows of (src/prepared.rs): the
 -- lowest ID of every hold given out in the database when it was prepared,
 -- per stream and writer (instance 0: every writer). Its own rows, gone with

@@ -845,6 +845,13 @@ AS 'MODULE_PATHNAME', 'set_writers_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
+CREATE  FUNCTION "standby_wakeups_replayed"() RETURNS bigint
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'standby_wakeups_replayed_wrapper';
+/* </end connected objects> */
+
+/* <begin connected objects> */
 CREATE  FUNCTION "stat_get_consumers"() RETURNS TABLE (
 	"stream_name" TEXT, 
 	"consumer_name" TEXT, 
@@ -1461,6 +1468,8 @@ COMMENT ON FUNCTION ack(text, text, multi_writer_token) IS
 COMMENT ON FUNCTION safe_to_delete(text) IS
     'The position up to which every consumer of the stream has acknowledged every row (NULL: no consumers)';
 COMMENT ON FUNCTION stat_get_streams() IS 'Statistics of each stream of this database (see the view stat_streams)';
+COMMENT ON FUNCTION standby_wakeups_replayed() IS
+    'Records of the primary''s position worker replayed here since start-up, each waking followers on this standby';
 COMMENT ON FUNCTION stat_get_consumers() IS 'Each consumer''s position and lag (see the view consumers)';
 COMMENT ON FUNCTION stat_get_registry() IS 'Statistics of the in-flight registry (see the view stat_registry)';
 COMMENT ON FUNCTION stat_reset() IS

@@ -866,7 +866,16 @@ pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
     // promotion: the registry, loaded after it, cannot know what it saw.
     // SAFETY: `snapshot` is a valid snapshot of this transaction.
     if in_recovery() || unsafe { (*snapshot).takenDuringRecovery } {
-        return standby_answer(meta);
+        // The stored positions as `snapshot` sees them: SPI reads with the
+        // active snapshot, and a follower's wait passes a newer one each
+        // time it looks again.
+        // SAFETY: `snapshot` is valid (as above); pushed and popped around
+        // the reads (an ERROR's abort pops it).
+        unsafe { pg_sys::PushActiveSnapshot(snapshot) };
+        let answer = standby_answer(meta);
+        // SAFETY: pops the snapshot pushed above.
+        unsafe { pg_sys::PopActiveSnapshot() };
+        return answer;
     }
     let view = with_index(meta, |index| {
         registry::view(index, meta.key, meta.seq, snapshot)

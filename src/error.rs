@@ -170,8 +170,6 @@ pub enum Error {
     MayNotRepair { stream: Name, seq: String },
     #[error("column \"{column}\" of relation {table} does not exist")]
     UnknownColumn { column: Name, table: String },
-    #[error("cannot wait for stream positions on a hot standby")]
-    StandbyWait,
     /// A race with a concurrent change: retrying the transaction succeeds.
     #[error("{message}")]
     Retry { message: String },
@@ -258,7 +256,6 @@ impl Error {
             }
             Error::MayNotAllocate { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
             Error::MayNotRepair { .. } => Code::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            Error::StandbyWait => Code::ERRCODE_FEATURE_NOT_SUPPORTED,
             Error::Retry { .. } => Code::ERRCODE_T_R_SERIALIZATION_FAILURE,
             Error::Internal(_) => Code::ERRCODE_INTERNAL_ERROR,
             Error::UnknownSchema(_) => Code::ERRCODE_INVALID_SCHEMA_NAME,
@@ -368,7 +365,6 @@ impl Error {
             ),
             Error::RegistryFull { guc, .. } => Some(format!("Raise {guc} and restart the server.")),
             Error::UnknownStream(_) => Some("Create it with streampos.create_stream() or streampos.adopt_stream().".into()),
-            Error::StandbyWait => Some("Poll streampos.stream_positions, or follow the primary.".into()),
             Error::Retry { .. } => Some("Retry the transaction.".into()),
             Error::AheadOfServer { .. } | Error::LostHistory { .. } => Some(
                 "Start the follower again from a token this server gave (e.g. streampos.current_token()), or from nothing."

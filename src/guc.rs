@@ -29,6 +29,10 @@ pub static WARN_FINISHED_AT_ONCE: GucSetting<bool> = GucSetting::<bool>::new(tru
 /// `updates()` writes bigint values (positions, bigint columns) as JSON
 /// strings: JavaScript's numbers round integers above 2^53.
 pub static JSON_BIGINT_AS_STRING: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// The custom WAL resource manager id of the record that wakes a hot
+/// standby's followers (`replay.rs`; PostgreSQL 15 and later); 0: off.
+/// The same on every server that replays the primary's WAL.
+pub static STANDBY_WAKEUP_RMGR_ID: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Test builds only (feature `test-hooks`): sleep between publishing the
 /// lower bound and calling nextval, to prove that readers respect the lower
 /// bound.
@@ -107,6 +111,16 @@ fn define_registry_sizes() {
         &MAX_HELD_PER_SESSION,
         0,
         4096,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"streampos.standby_wakeup_rmgr_id",
+        c"Custom WAL resource manager id of the records that wake followers on hot standbys (0: none).",
+        c"128 to 255, free among the server's extensions, the same on the primary and every server replaying its WAL (standbys, point-in-time recovery): each must preload streampos with it before the primary does.",
+        &STANDBY_WAKEUP_RMGR_ID,
+        0,
+        255,
         GucContext::Postmaster,
         GucFlags::default(),
     );

@@ -39,6 +39,7 @@ mod guc;
 mod held_back;
 mod prepared;
 mod registry;
+mod replay;
 mod roles;
 mod sequence;
 mod session;
@@ -75,6 +76,7 @@ pub extern "C-unwind" fn _PG_init() {
     guc::define(preloading);
     if preloading {
         registry::request_shared_memory();
+        replay::register(preloading);
     } else if in_extension_script {
         // Loaded first by CREATE (or ALTER) EXTENSION without the preload:
         // say so now, not at the first next_id.

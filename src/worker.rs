@@ -126,8 +126,14 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
             });
             match outcome {
                 Pass::ExtensionGone => break,
-                Pass::Done { quiet } if !quiet => state.last_activity = Instant::now(),
-                Pass::Done { .. } => {}
+                Pass::Done { quiet, stored } => {
+                    if !quiet {
+                        state.last_activity = Instant::now();
+                    }
+                    // Committed: a standby replays the record after the
+                    // commit, and wakes the streams' followers there.
+                    crate::replay::log_stored(db, &stored);
+                }
             }
             let generations = registry::generations_of(db);
             if generations != state.generations {
@@ -295,9 +301,11 @@ impl WorkerState {
 
 enum Pass {
     ExtensionGone,
-    /// `quiet`: nothing was stored, nothing failed or was put off.
+    /// `quiet`: nothing was stored, nothing failed or was put off;
+    /// `stored`: the keys of the streams whose positions were stored.
     Done {
         quiet: bool,
+        stored: Vec<i32>,
     },
 }
 
@@ -445,7 +453,10 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
         return Pass::ExtensionGone;
     }
     let Some(tables) = sql::lock_for_pass() else {
-        return Pass::Done { quiet: false };
+        return Pass::Done {
+            quiet: false,
+            stored: Vec::new(),
+        };
     };
     release_orphans(db, &mut state.orphans);
     forget_prepared_holds(state);
@@ -538,7 +549,8 @@ fn pass(db: pg_sys::Oid, state: &mut WorkerState) -> Pass {
     }
     held_back::check(db, &seen, &mut state.held_back, now);
     registry::stats::record_pass(db, &marks, now);
-    Pass::Done { quiet }
+    let stored = marks.iter().filter(|m| m.stored).map(|m| m.key).collect();
+    Pass::Done { quiet, stored }
 }
 
 /// Marks are this far apart at least: a consumer's lag in time is told to

@@ -91,9 +91,21 @@ fn refuse_ahead(
 /// wrongly). Checked for every position a token carries (its minimum and
 /// each writer's) and for a `wait_for` target.
 fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i64>) {
-    let lost = engine::with_index(meta, |index| {
-        history::lost_ranges(index, meta.key, meta.seq)
-    });
+    // A hot standby has no registry to load the ranges into: it reads the
+    // marks (they replicate), every one of which is a range of its past.
+    let lost = if in_recovery() {
+        history::LostRanges {
+            ranges: sql::history_marks(&meta.name)
+                .into_iter()
+                .map(|(_, have, ceiling)| history::LostRange { have, ceiling })
+                .collect(),
+            current: None,
+        }
+    } else {
+        engine::with_index(meta, |index| {
+            history::lost_ranges(index, meta.key, meta.seq)
+        })
+    };
     for position in positions {
         if let Some(range) = lost.range_of(position) {
             Error::LostHistory {
@@ -107,9 +119,131 @@ fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i6
     }
 }
 
-/// Re-evaluate `ready` each time the stream's generation moves, until it
-/// returns true or the timeout passes (then the last evaluation's value).
+/// Where a follower waits for its answer to change.
+#[derive(Clone, Copy)]
+enum Waiter {
+    /// On the primary: the stream's registry state, whose condition
+    /// variable every transaction that held IDs of the stream broadcasts
+    /// when it ends.
+    Primary(usize),
+    /// On a hot standby, which answers from the stored positions: woken
+    /// when replay names the stream (`replay.rs`), and besides every
+    /// `STANDBY_RECHECK_MS` (`STANDBY_POLL_MS` while no record has been
+    /// replayed since start-up: the primary may log none). The registry
+    /// is not loaded before promotion.
+    Standby { db: pg_sys::Oid, key: i32 },
+}
+
+/// A standby's follower looks again this often although no record woke
+/// it (records are being replayed: a safety net)...
+const STANDBY_RECHECK_MS: i64 = 1000;
+/// ...or this often while none has been (the primary logs none: PostgreSQL
+/// 14, `streampos.standby_wakeup_rmgr_id` = 0), or after a promotion.
+const STANDBY_POLL_MS: i64 = 100;
+
+fn waiter(meta: &StreamMeta) -> Waiter {
+    if in_recovery() {
+        Waiter::Standby {
+            // SAFETY: MyDatabaseId is set once the backend is connected.
+            db: unsafe { pg_sys::MyDatabaseId },
+            key: meta.key,
+        }
+    } else {
+        Waiter::Primary(registry_index(meta))
+    }
+}
+
+/// Re-evaluate `ready` each time the stream's answer may have moved, until
+/// it returns true or the timeout passes (then the last evaluation's
+/// value).
 fn wait_until<T>(
+    waiter: Waiter,
+    timeout_ms: i32,
+    not_before: Option<Instant>,
+    ready: impl FnMut() -> (bool, T),
+) -> T {
+    match waiter {
+        Waiter::Primary(index) => wait_on_primary(index, timeout_ms, not_before, ready),
+        Waiter::Standby { db, key } => wait_on_standby(db, key, timeout_ms, not_before, ready),
+    }
+}
+
+/// Ready, but sooner than `not_before` (the batch window after the
+/// session's previous answer): sleep a little (at most 10 ms) and say to
+/// look again; else whether to answer now.
+fn answer_now_or_gather(not_before: Option<Instant>, now: Instant, deadline: Instant) -> bool {
+    match not_before {
+        Some(at) if now < at => {
+            let until = at.min(deadline).min(now + Duration::from_millis(10));
+            pgrx::check_for_interrupts!();
+            // SAFETY: sleeps this process for at most 10 ms; interrupts (a
+            // cancel) are checked around it.
+            unsafe { pg_sys::pg_usleep((until - now).as_micros() as std::ffi::c_long) };
+            pgrx::check_for_interrupts!();
+            false
+        }
+        _ => true,
+    }
+}
+
+/// `wait_until` on a hot standby (`Waiter::Standby`).
+fn wait_on_standby<T>(
+    db: pg_sys::Oid,
+    key: i32,
+    timeout_ms: i32,
+    not_before: Option<Instant>,
+    mut ready: impl FnMut() -> (bool, T),
+) -> T {
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
+    let watch_client = has_client();
+    let sleep_watches_client = watch_client && registry::watches_client();
+    loop {
+        // Read before the answer: a record replayed after it moves it.
+        let (records, seen) = registry::replay_seen(db, key).unwrap_or((0, 0));
+        let (done, value) = ready();
+        let now = Instant::now();
+        if now >= deadline {
+            return value;
+        }
+        if done {
+            if answer_now_or_gather(not_before, now, deadline) {
+                return value;
+            }
+            continue;
+        }
+        let mut bound = if records > 0 && in_recovery() {
+            STANDBY_RECHECK_MS
+        } else {
+            STANDBY_POLL_MS
+        };
+        if !sleep_watches_client && watch_client {
+            bound = bound.min(500);
+        }
+        let left = ((deadline - now).as_micros().div_ceil(1000) as i64).clamp(1, bound);
+        if registry::replay_seen(db, key).is_none() {
+            // Not preloaded here: nothing can wake us; look again soon.
+            pgrx::check_for_interrupts!();
+            // SAFETY: sleeps this process for at most STANDBY_POLL_MS;
+            // interrupts are checked around it.
+            unsafe { pg_sys::pg_usleep(left.min(STANDBY_POLL_MS) as std::ffi::c_long * 1000) };
+            pgrx::check_for_interrupts!();
+            if watch_client && !client_connected() {
+                end_for_lost_client();
+            }
+            continue;
+        }
+        let woken = registry::wait_for_replay(db, key, seen, left, watch_client).or_raise();
+        if watch_client
+            && (woken == registry::Woken::ClientGone || !sleep_watches_client)
+            && !client_connected()
+        {
+            end_for_lost_client();
+        }
+    }
+}
+
+/// `wait_until` on the primary (`Waiter::Primary`).
+fn wait_on_primary<T>(
     index: usize,
     timeout_ms: i32,
     not_before: Option<Instant>,
@@ -133,20 +267,12 @@ fn wait_until<T>(
             return value;
         }
         if done {
-            match not_before {
-                Some(at) if now < at => {
-                    // Ready, but too soon after the previous answer: let
-                    // the burst gather, then answer for all of it.
-                    let until = at.min(deadline).min(now + Duration::from_millis(10));
-                    pgrx::check_for_interrupts!();
-                    // SAFETY: sleeps this process for at most 10 ms;
-                    // interrupts (a cancel) are checked around it.
-                    unsafe { pg_sys::pg_usleep((until - now).as_micros() as std::ffi::c_long) };
-                    pgrx::check_for_interrupts!();
-                    continue;
-                }
-                _ => return value,
+            // Too soon after the previous answer: let the burst gather,
+            // then answer for all of it.
+            if answer_now_or_gather(not_before, now, deadline) {
+                return value;
             }
+            continue;
         }
         if following.is_none() {
             following = registry::stats::Following::enter(index);
@@ -237,21 +363,12 @@ fn answered_updates(key: i32) {
     });
 }
 
-/// Followers need the primary's registry: a standby's replay broadcasts
-/// nothing, and its registry must not be loaded before promotion.
-fn refuse_on_standby() {
-    if in_recovery() {
-        Error::StandbyWait.report();
-    }
-}
-
 // PARALLEL UNSAFE: under READ COMMITTED it takes the latest snapshot,
 // which PostgreSQL refuses while a parallel plan runs in the query.
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     let meta = catalog::stream(stream).or_raise();
-    refuse_on_standby();
-    let index = registry_index(&meta);
+    let waiter = waiter(&meta);
     // Internal numbering counts up for backward streams too.
     let target = if meta.backwards {
         stream_id.saturating_neg()
@@ -261,13 +378,17 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     // One past the highest allocated ID is "anything new": a follower at
     // position p waits for p + 1 (a timeout answers p: nothing yet). Only a
     // target further out is beyond this server (72000: resynchronise).
-    refuse_ahead(&meta, "target", target.saturating_sub(1), || {
-        (stream_id.to_string(), None)
-    });
+    // (A hot standby cannot tell a target it has not replayed yet from
+    // one beyond its primary: it waits.)
+    if let Waiter::Primary(_) = waiter {
+        refuse_ahead(&meta, "target", target.saturating_sub(1), || {
+            (stream_id.to_string(), None)
+        });
+    }
     // The follower's position (one below "anything new") must be of this
     // history too.
     refuse_lost_history(&meta, [target, target.saturating_sub(1)]);
-    let reached = wait_until(index, timeout_ms, None, || {
+    let reached = wait_until(waiter, timeout_ms, None, || {
         let f = answer_now(&meta).frontier();
         (f >= target, f)
     });
@@ -285,13 +406,17 @@ fn token_now(meta: &StreamMeta) -> Token {
 /// `refuse_lost_history`).
 fn refuse_foreign_token(meta: &StreamMeta, token: &Token) {
     // A token at the cap prints to hundreds of kilobytes: the error quotes
-    // it clipped and names its highest position.
-    refuse_ahead(meta, "token", token.max_stream_pos(), || {
-        (
-            token.to_text(TokenKind::MultiWriter),
-            Some(token.max_stream_pos()),
-        )
-    });
+    // it clipped and names its highest position. A hot standby cannot tell
+    // a token it has not replayed yet from one beyond its primary: the
+    // follower waits there.
+    if !in_recovery() {
+        refuse_ahead(meta, "token", token.max_stream_pos(), || {
+            (
+                token.to_text(TokenKind::MultiWriter),
+                Some(token.max_stream_pos()),
+            )
+        });
+    }
     refuse_lost_history(
         meta,
         std::iter::once(token.stream()).chain(token.instances().iter().map(|&(_, p)| p)),
@@ -308,11 +433,10 @@ fn refuse_foreign_token(meta: &StreamMeta, token: &Token) {
 #[pg_extern(volatile, strict, parallel_unsafe)]
 fn wait_for_consumer(stream: &str, consumer: &str, timeout_ms: i32) -> MultiWriterToken {
     let meta = super::consumers::forward_stream(stream);
-    refuse_on_standby();
     let position = super::consumers::consumer_position(stream, consumer);
+    let waiter = waiter(&meta);
     refuse_foreign_token(&meta, &position);
-    let index = registry_index(&meta);
-    MultiWriterToken(wait_until(index, timeout_ms, None, || {
+    MultiWriterToken(wait_until(waiter, timeout_ms, None, || {
         let t = token_now(&meta);
         (!t.is_before_or_eq(&position), t)
     }))
@@ -450,11 +574,10 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form
         }
         .report();
     }
-    refuse_on_standby();
     // Whoever may not read the stream's tables (sql::read_as_owner) is
     // refused now, not after waiting.
     sql::check_may_follow(&catalog::stream_tables(stream));
-    let index = registry_index(&meta);
+    let waiter = waiter(&meta);
     refuse_foreign_token(&meta, &since);
     // Wait until some writer moved past `since`.
     let not_before = if timeout_ms > 0 {
@@ -462,7 +585,7 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form
     } else {
         None
     };
-    let current = wait_until(index, timeout_ms, not_before, || {
+    let current = wait_until(waiter, timeout_ms, not_before, || {
         let t = token_now(&meta);
         let t = if form.ordered { t.bound(t.stream()) } else { t };
         (!t.is_before_or_eq(&since), t)

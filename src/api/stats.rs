@@ -247,6 +247,14 @@ fn stat_get_consumers() -> TableIterator<
     }))
 }
 
+/// Records of the primary's position worker (`replay.rs`) this server
+/// replayed since start-up: each woke the followers of the streams it
+/// names. 0 on a primary, and on a standby whose primary logs none.
+#[pg_extern(volatile, parallel_safe)]
+fn standby_wakeups_replayed() -> i64 {
+    registry::replay_records().unwrap_or(0) as i64
+}
+
 /// Start the counters of this database's streams, and the registry's, from
 /// zero. Not for PUBLIC (as pg_stat_reset).
 #[pg_extern(volatile, parallel_unsafe)]

@@ -9,7 +9,7 @@
 //! | `streams.rs` | per-stream state: find, create, load, drop, reclaim |
 //! | `alloc.rs` | allocation (register before you allocate) and transaction end |
 //! | `visibility.rs` | what a snapshot must treat as in flight: slots, finished ring, summary, pruning |
-//! | `wait.rs` | followers' condition variables and their sleep |
+//! | `wait.rs` | followers' condition variables and their sleep; a standby's, woken by replay |
 //! | `history.rs` | which history this server's IDs belong to, and the lost ranges of other histories |
 //! | `workers.rs` | position-worker slots, and when a worker may leave |
 //! | `stats.rs` | statistics (`stat_streams`, `stat_registry`) |
@@ -52,7 +52,11 @@ pub use visibility::{
     caller_snapshot, precedes as xid_precedes, prune, prune_if_crowded, view, wal_settled,
     StreamView,
 };
-pub use wait::{wait_for_change, watches_client, Woken};
+#[cfg(not(feature = "pg14"))]
+pub use wait::replayed;
+pub use wait::{
+    replay_records, replay_seen, wait_for_change, wait_for_replay, watches_client, Woken,
+};
 pub use workers::{
     claim_worker_slot, generations_of, leave_if_idle, release_worker_slot, worker_needed,
     worker_start_failed,

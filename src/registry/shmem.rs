@@ -78,6 +78,24 @@ pub(super) struct Header {
     /// (0: none yet), above every xid a transaction that outlived the
     /// start (a prepared one) can have: see `start_xid`.
     pub start_xid: AtomicU64,
+    /// A hot standby's followers, woken by replay (`wait.rs`).
+    pub replay: ReplayWake,
+}
+
+/// Buckets of `ReplayWake` (a follower looks at its stream's only).
+pub const REPLAY_BUCKETS: usize = 64;
+
+/// What wakes a hot standby's followers: the position worker of the
+/// primary writes a WAL record after each commit that stored positions
+/// (`replay.rs`); its replay bumps the bucket of each stream it names and
+/// broadcasts. Followers sleep on the one condition variable and read
+/// again only when their stream's bucket moved.
+#[repr(C)]
+pub(super) struct ReplayWake {
+    pub cv: pg_sys::ConditionVariable,
+    /// Records replayed since start-up (0: none: the primary sends none).
+    pub records: AtomicU64,
+    pub buckets: [AtomicU64; REPLAY_BUCKETS],
 }
 
 /// What the registry counts for `streampos.stat_registry`, beyond what it
@@ -722,6 +740,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             for i in 0..n_streams {
                 pg_sys::ConditionVariableInit(&mut (*streams.add(i)).cv);
             }
+            pg_sys::ConditionVariableInit(&mut (*header).replay.cv);
             (*header).offsets = l;
             (*header).n_streams = n_streams as u32;
             (*header).ring_cap = ring_cap as u32;

@@ -1,9 +1,13 @@
 //! Sleeping on a stream's condition variable, which every
-//! transaction that held IDs of the stream broadcasts when it ends.
+//! transaction that held IDs of the stream broadcasts when it ends; and, on
+//! a hot standby, on the replay condition variable, which the replay of
+//! the primary's "positions stored" records broadcasts.
 
 use pgrx::pg_sys;
 
-use super::shmem::{Locked, Section};
+use std::sync::atomic::Ordering;
+
+use super::shmem::{Locked, Section, HEADER, REPLAY_BUCKETS};
 use super::streams::generation;
 use crate::error::Error;
 
@@ -125,4 +129,99 @@ fn sleep_watching_client(timeout_ms: i64) -> bool {
 #[cfg(feature = "pg14")]
 fn sleep_watching_client(_timeout_ms: i64) -> bool {
     false
+}
+
+fn replay_bucket(db: pg_sys::Oid, key: i32) -> usize {
+    (db.to_u32().wrapping_mul(0x9E37_79B9) ^ key as u32) as usize % REPLAY_BUCKETS
+}
+
+/// Where a hot standby's follower of stream `key` of database `db` stands:
+/// (records replayed, its bucket's count). None without the registry.
+pub fn replay_seen(db: pg_sys::Oid, key: i32) -> Option<(u64, u64)> {
+    // SAFETY: HEADER is set once per process at start-up; the counters are
+    // atomics.
+    unsafe {
+        if HEADER.is_null() {
+            return None;
+        }
+        let r = &(*HEADER).replay;
+        Some((
+            r.records.load(Ordering::Acquire),
+            r.buckets[replay_bucket(db, key)].load(Ordering::Acquire),
+        ))
+    }
+}
+
+/// Records replayed since start-up (None without the registry).
+pub fn replay_records() -> Option<u64> {
+    // SAFETY: as in `replay_seen`.
+    unsafe { (!HEADER.is_null()).then(|| (*HEADER).replay.records.load(Ordering::Acquire)) }
+}
+
+/// The replay of a record saying the primary stored positions of streams
+/// `keys` of database `db` (committed before the record): wake their
+/// followers. Runs in the startup process: no error, no allocation.
+#[cfg(not(feature = "pg14"))]
+pub fn replayed(db: pg_sys::Oid, keys: &[i32]) {
+    // SAFETY: as in `replay_seen`; broadcasting sets the sleepers' latches.
+    unsafe {
+        if HEADER.is_null() {
+            return;
+        }
+        let r = &mut (*HEADER).replay;
+        for &key in keys {
+            r.buckets[replay_bucket(db, key)].fetch_add(1, Ordering::AcqRel);
+        }
+        r.records.fetch_add(1, Ordering::AcqRel);
+        pg_sys::ConditionVariableBroadcast(&mut r.cv);
+    }
+}
+
+/// On a hot standby: sleep until stream `key`'s bucket moves past `seen`
+/// (its positions may have been stored and replayed), `timeout_ms` passes,
+/// or (with `watch_client`) the client's connection closes.
+pub fn wait_for_replay(
+    db: pg_sys::Oid,
+    key: i32,
+    seen: u64,
+    timeout_ms: i64,
+    watch_client: bool,
+) -> Result<Woken, Error> {
+    // SAFETY: HEADER is set once per process at start-up.
+    let cv = unsafe {
+        if HEADER.is_null() {
+            return Err(Error::NotLoaded);
+        }
+        &raw mut (*HEADER).replay.cv
+    };
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+    let watch_client = watch_client && watches_client();
+    let woken = loop {
+        // SAFETY: as in `wait_for_change`.
+        unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
+        if replay_seen(db, key).map(|s| s.1) != Some(seen) {
+            break Woken::Changed;
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            break Woken::TimedOut;
+        }
+        let left = (deadline - now)
+            .as_micros()
+            .div_ceil(1000)
+            .clamp(1, i32::MAX as u128) as i64;
+        if watch_client {
+            if sleep_watching_client(left) {
+                break Woken::ClientGone;
+            }
+            pgrx::check_for_interrupts!();
+        } else {
+            // SAFETY: prepared above on the same condition variable.
+            unsafe { pg_sys::ConditionVariableTimedSleep(cv, left, pg_sys::PG_WAIT_EXTENSION) };
+        }
+    };
+    // SAFETY: ends the sleep prepared above (also done by abort cleanup).
+    unsafe { pg_sys::ConditionVariableCancelSleep() };
+    Ok(woken)
 }

@@ -70,6 +70,9 @@ BASE_CONF = [
     "max_replication_slots = 8",
     "hot_standby = on",
     "hot_standby_feedback = on",
+    # Followers on a standby woken by replay (the primary logs, every
+    # standby replays: the same id on both).
+    "streampos.standby_wakeup_rmgr_id = 171",
     # The standby reports its flush and replay positions promptly, and
     # reconnects quickly after a disconnect.
     "wal_receiver_status_interval = '1s'",
@@ -502,6 +505,22 @@ class Clusters:
         pair = Pair(primary, standby, synchronous)
         pair.wait_streaming()
         return pair
+
+    def cascade(self, upstream):
+        """A hot standby streaming from the standby ``upstream`` (a
+        cascading standby); returned once it accepts connections."""
+        node = self._new_node("cascade")
+        _run([_bin("pg_basebackup"), "-h", "127.0.0.1", "-p", str(upstream.port), "-U", USER,
+              "-D", node.datadir, "-R", "-X", "stream", "-c", "fast", "--no-sync"], timeout=180)
+        # Not the upstream's slot on the primary (its settings were copied).
+        node.set(port=node.port, cluster_name=f"cascade{node.port}", synchronous_standby_names="",
+                 primary_slot_name="")
+        try:
+            os.remove(node.log)
+        except FileNotFoundError:
+            pass
+        node.start()
+        return node
 
 
 _ALIVE = []

@@ -10,11 +10,13 @@ runs them by hand and prints the figures.
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 
 from cluster import Clusters
+from support import wait_until
 from failover_measure import (
     failover_under_load,
     measure_lag,
@@ -443,3 +445,83 @@ def test_failover_under_load_asynchronous(clusters):
     assert fig.follower_resync_error == RESYNC_SQLSTATE, (
         f"the follower was not told to resynchronise ({RESYNC_SQLSTATE})\n" + fig.summary())
     assert f"ERROR {RESYNC_SQLSTATE}" in (fig.wait_for_after_failover or ""), fig.summary()
+
+
+# ---------------------------------------------------------------- followers on standbys
+
+
+def follow_json(conn, since, max_rows=100, timeout_ms=0):
+    """updates_json('ev', since, ...): (token, [row ids])."""
+    answer = conn.execute("SELECT streampos.updates_json('ev', %s, %s, %s)",
+                          (since, max_rows, timeout_ms)).fetchone()[0]
+    return answer["token"], [r[0] for r in update_rows(answer)]
+
+
+def test_a_follower_waiting_on_a_standby_goes_on_across_its_promotion(clusters):
+    """A follower long-polls on the standby; the primary stops for good and
+    the standby is promoted while it waits: the follower is answered with
+    the new primary's next commit (it looks again every 100 ms once
+    promoted), its token never goes back, and its next calls run on the
+    promoted server's registry, every row once."""
+    pair = clusters.pair(synchronous=True)
+    primary, standby = pair
+    setup_stream(primary, writers=["w1"])
+    committed = commit_rows(primary, 5)
+    pair.caught_up()
+    with standby.connect() as s:
+        wait_until(lambda: frontier(s) == 5, timeout=10, message="the standby's frontier")
+        token, ids = follow_json(s, "0")
+    assert ids == committed
+    with ThreadPoolExecutor(1) as pool, standby.connect() as s:
+        waiting = pool.submit(follow_json, s, token, 100, 30000)
+        time.sleep(0.5)
+        assert not waiting.done()
+        pair.failover()
+        assert not waiting.done(), "answered by the promotion alone"
+        more = commit_rows(standby, 2)
+        token2, ids2 = waiting.result(timeout=15)
+    assert ids2 and ids2 == more[:len(ids2)]
+    assert token_positions(token2)[0] >= token_positions(token)[0]
+    with standby.connect() as s:
+        rest_token, rest = follow_json(s, token2)
+    assert ids2 + rest == more
+
+
+def test_a_follower_on_a_cascading_standby_is_woken_by_replay(clusters):
+    """A standby of the standby replays the same records: a long-polling
+    follower there is answered with a primary commit's row well within its
+    1 s re-check, five times."""
+    pair = clusters.pair()
+    primary, standby = pair
+    setup_stream(primary, writers=["w1"])
+    commit_rows(primary, 1)
+    pair.caught_up()
+    cascade = clusters.cascade(standby)
+    with cascade.connect() as c:
+        wait_until(lambda: frontier(c) == 1, timeout=20, message="the cascading standby's frontier")
+        token, ids = follow_json(c, "0")
+        assert ids == [1]
+    # Records replayed here: from now on a follower looks again only every
+    # second unless one wakes it.
+    commit_rows(primary, 1)
+    with cascade.connect() as c:
+        wait_until(lambda: frontier(c) == 2, timeout=20, message="the cascading standby's frontier")
+        # (PostgreSQL 14: none; its followers look again every 100 ms.)
+        wakeups = int(c.execute("SHOW server_version_num").fetchone()[0]) >= 150000
+        assert (c.execute("SELECT streampos.standby_wakeups_replayed()").fetchone()[0] > 0) == wakeups
+        token, ids = follow_json(c, token)
+        assert ids == [2]
+    latencies = []
+    with ThreadPoolExecutor(1) as pool, cascade.connect() as c:
+        for k in range(1, 6):
+            waiting = pool.submit(follow_json, c, token, 100, 10000)
+            time.sleep(0.3)
+            started = time.monotonic()
+            commit_rows(primary, 1)
+            token, ids = waiting.result(timeout=15)
+            latencies.append(time.monotonic() - started)
+            assert ids == [k + 2]
+    print("cascading standby follower latencies:", [round(x, 3) for x in latencies])
+    # Woken by replay: a follower left to its 1 s re-check would answer
+    # half a second late on average.
+    assert max(latencies) < 0.5, latencies

@@ -3,8 +3,14 @@ durable positions, which replicate in commit order and are never ahead of
 the rows the standby can see."""
 
 import os
+import random
 import shutil
 import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
 
 import pytest
 
@@ -18,6 +24,7 @@ from support import (
     flush_wal,
     one,
     rows,
+    server_settings,
     stored_positions,
     wait_until,
 )
@@ -96,7 +103,9 @@ def test_standby_reads_stored_positions_and_refuses_allocation(connect, stream, 
         # Every row up to the frontier is visible on the standby.
         assert one(replica, f"SELECT count(*) FROM {stream} WHERE id <= streampos.frontier(%s)", (stream,)) == 3
         expect_error(replica, "SELECT streampos.next_id(%s, 'a')", (stream,), sqlstate="25006")
-        expect_error(replica, "SELECT streampos.wait_for(%s, 10, 100)", (stream,), sqlstate="0A000")
+        # A follower on the standby waits for what the standby replays (3
+        # is the standby's frontier: 4 is "anything new"; none yet).
+        assert one(replica, "SELECT streampos.wait_for(%s, 4, 100)", (stream,)) == 3
 
         holder.execute("COMMIT")
         wait_until(lambda: stored_positions(primary, stream) == {"a": 4, "b": 4}, message="positions after commit")
@@ -194,8 +203,8 @@ def test_a_standby_follows_more_than_64_writers(connect, stream, standby):
 
 def test_a_standby_tells_a_consumers_lag_from_the_replicated_marks(connect, stream, standby):
     """Consumer positions and frontier marks are rows: the standby's view
-    consumers tells the lag the primary's does; waiting is for the primary
-    (0A000, as wait_for)."""
+    consumers tells the lag the primary's does; a consumer's wait on the
+    standby answers from what the standby replayed."""
     primary = connect()
     create_stream(primary, stream, writers=["a"])
     primary.execute("SELECT streampos.register_consumer(%s, 'pusher')", (stream,))
@@ -218,4 +227,144 @@ def test_a_standby_tells_a_consumers_lag_from_the_replicated_marks(connect, stre
         assert on_primary[0] == on_standby[0] == 1
         # The same mark: lag_time counts from the same moment.
         assert on_standby[1] == pytest.approx(on_primary[1], abs=0.01)
-        expect_error(replica, "SELECT streampos.wait_for_consumer(%s, 'pusher', 100)", (stream,), sqlstate="0A000")
+        token = one(replica, "SELECT streampos.wait_for_consumer(%s, 'pusher', 100)::text", (stream,))
+        assert token == one(replica, "SELECT streampos.current_token(%s)::text", (stream,))
+
+
+# --------------------------------------------------------------- followers on the standby
+
+
+def feed_table(primary, stream, writers=None):
+    create_stream(primary, stream, writers=writers)
+    primary.execute(f"CREATE TABLE {stream}_ev (id bigint PRIMARY KEY, instance_name text, body text)")
+    primary.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, f"{stream}_ev"))
+
+
+def insert_rows(conn, stream, writer, n=1, rollback=False):
+    with conn.transaction():
+        for _ in range(n):
+            conn.execute(f"INSERT INTO {stream}_ev VALUES (streampos.next_id(%s, %s), %s, 'x')",
+                         (stream, writer, writer))
+        if rollback:
+            raise psycopg.Rollback()
+
+
+def follow_once(conn, stream, since, max_rows=100, timeout_ms=0, ordered=False):
+    """One updates_json call: (token, limited, [row ids in ID order])."""
+    answer = one(conn, "SELECT streampos.updates_json(%s, %s, %s, %s, ordered => %s)",
+                 (stream, since, max_rows, timeout_ms, ordered))
+    data, ids, i = answer["data"], [], 0
+    while i < len(data):
+        count = data[i][2]
+        ids.extend(int(r[0]) for r in data[i + 1: i + 1 + count])
+        i += 1 + count
+    return answer["token"], answer["limited"], sorted(ids)
+
+
+def replayed(replica, stream, frontier):
+    return lambda: one(replica, "SELECT streampos.frontier(%s)", (stream,)) >= frontier
+
+
+def test_a_follower_on_the_standby_is_woken_by_replay(connect, stream, standby):
+    """A long-polling follower on the standby returns the row a primary
+    commit wrote once the standby replays the worker's stored positions and
+    its record: within about a store interval, not the standby's 1 s
+    re-check (the primary logs the records: every test server sets
+    streampos.standby_wakeup_rmgr_id). Five commits, each answered well
+    inside the re-check interval."""
+    primary = connect()
+    feed_table(primary, stream)
+    insert_rows(primary, stream, "w1")
+    with server_settings({"streampos.position_interval_ms": "50"}), \
+            connect_raw(port=standby["port"]) as replica:
+        wait_until(replayed(replica, stream, 1), timeout=10, message="the standby to replay the first row")
+        since, _, ids = follow_once(replica, stream, "0")
+        assert ids == [1]
+        # PostgreSQL 14 has no custom WAL resource managers: its standby's
+        # followers look again every 100 ms instead.
+        wakeups = int(one(replica, "SHOW server_version_num")) >= 150000
+        assert (one(replica, "SELECT streampos.standby_wakeups_replayed()") > 0) == wakeups
+        assert one(primary, "SELECT streampos.standby_wakeups_replayed()") == 0
+        latencies = []
+        with ThreadPoolExecutor(1) as pool:
+            for k in range(5):
+                waiting = pool.submit(follow_once, replica, stream, since, 100, 10000)
+                time.sleep(0.3)  # the follower is asleep by now
+                started = time.monotonic()
+                insert_rows(primary, stream, "w1")
+                since, _, ids = waiting.result(timeout=15)
+                latencies.append(time.monotonic() - started)
+                assert ids == [k + 2], ids
+        print("standby follower latencies:", [round(x, 3) for x in latencies])
+        assert max(latencies) < 0.5, latencies
+
+
+def test_followers_on_the_standby_get_every_row_exactly_once(connect, stream, standby):
+    """Writers commit and roll back on the primary while a follower and an
+    ordered follower long-poll on the standby: after a drain, each got every
+    committed row exactly once, the ordered one in ID order, and never a row
+    the standby could not see (each answer's rows are below its token and
+    visible in a snapshot taken after it)."""
+    primary = connect()
+    feed_table(primary, stream, writers=["w1", "w2", "w3"])
+    stop = threading.Event()
+
+    def writer(name, seed):
+        rng = random.Random(seed)
+        with connect_raw() as w:
+            while not stop.is_set():
+                insert_rows(w, stream, name, n=rng.randint(1, 3), rollback=rng.random() < 0.1)
+                time.sleep(rng.random() * 0.01)
+
+    def follower(ordered):
+        got, since = [], "0"
+        with connect_raw(port=standby["port"]) as replica:
+            while not stop.is_set():
+                since, _, ids = follow_once(replica, stream, since, 50, 500, ordered)
+                got.extend(ids)
+        return got, since
+
+    with ThreadPoolExecutor(5) as pool:
+        writers = [pool.submit(writer, f"w{k}", k) for k in (1, 2, 3)]
+        followers = [pool.submit(follower, ordered) for ordered in (False, True)]
+        time.sleep(4)
+        stop.set()
+        for w in writers:
+            w.result(timeout=30)
+        results = [f.result(timeout=30) for f in followers]
+    committed = sorted(r[0] for r in rows(primary, f"SELECT id FROM {stream}_ev"))
+    assert len(committed) > 100
+    with connect_raw(port=standby["port"]) as replica:
+        wait_until(lambda: one(replica, f"SELECT count(*) FROM {stream}_ev") == len(committed) and
+                   replayed(replica, stream, committed[-1])(), timeout=15, message="the standby to catch up")
+        for (got, since), ordered in zip(results, (False, True)):
+            limited = True
+            while limited:
+                since, limited, ids = follow_once(replica, stream, since, 1000, 0, ordered)
+                got.extend(ids)
+            assert len(got) == len(set(got)), "a row delivered twice"
+            assert sorted(got) == committed
+            if ordered:
+                assert got == sorted(got)
+
+
+def test_a_token_in_a_lost_range_is_refused_on_the_standby(connect, stream, standby):
+    """A standby has no registry: it reads the lost ranges from the
+    replicated history marks, and a follower whose token lies in one is
+    told to resynchronise (72000) as on a primary. A token ahead of what the
+    standby replayed waits instead (it may only lag)."""
+    primary = connect()
+    feed_table(primary, stream)
+    insert_rows(primary, stream, "w1", n=3)
+    primary.execute("INSERT INTO streampos.history_marks (history, stream_name, have, ceiling) "
+                    "VALUES (424242, %s, 10, 20)", (stream,))
+    with connect_raw(port=standby["port"]) as replica:
+        wait_until(lambda: one(replica, "SELECT count(*) FROM streampos.history_marks WHERE stream_name = %s",
+                               (stream,)) == 1 and replayed(replica, stream, 3)(),
+                   timeout=10, message="the standby to replay the mark")
+        err = expect_error(replica, "SELECT streampos.updates_json(%s, '15', 10)", (stream,), sqlstate="72000")
+        assert "not in this server's history" in str(err)
+        expect_error(replica, "SELECT streampos.wait_for(%s, 16, 10)", (stream,), sqlstate="72000")
+        # Ahead of the standby, outside any lost range: it waits (and times out).
+        token, _, ids = follow_once(replica, stream, "30", 10, 100)
+        assert (token, ids) == ("30", [])
