@@ -368,3 +368,40 @@ def test_a_token_in_a_lost_range_is_refused_on_the_standby(connect, stream, stan
         # Ahead of the standby, outside any lost range: it waits (and times out).
         token, _, ids = follow_once(replica, stream, "30", 10, 100)
         assert (token, ids) == ("30", [])
+
+
+def test_a_consumer_reads_on_the_standby_and_acknowledges_on_the_primary(connect, stream, standby):
+    """The Python client's Consumer with read_conn: batches come from the
+    standby, each is processed and acknowledged in a primary transaction;
+    every committed row is processed exactly once, and a batch whose block
+    raised is read again."""
+    from streampos import Consumer
+
+    primary = connect()
+    feed_table(primary, stream, writers=["w1", "w2"])
+    primary.execute(f"CREATE TABLE {stream}_done (id bigint PRIMARY KEY)")
+    primary.execute("SELECT streampos.register_consumer(%s, 'pusher')", (stream,))
+    for k in range(30):
+        insert_rows(primary, stream, f"w{k % 2 + 1}", n=2, rollback=k % 7 == 3)
+    committed = sorted(r[0] for r in rows(primary, f"SELECT id FROM {stream}_ev"))
+    with connect_raw(port=standby["port"]) as replica, connect_raw() as work:
+        consumer = Consumer(work, stream, "pusher", max_rows=7, timeout_ms=2000, read_conn=replica)
+        failed_once = False
+        done = 0
+        while done < len(committed):
+            try:
+                with consumer.batch() as batch:
+                    ids = [int(r[0]) for t in batch.tables.values() for r in t.rows]
+                    for i in ids:
+                        work.execute(f"INSERT INTO {stream}_done VALUES (%s)", (i,))
+                    if ids and not failed_once:
+                        failed_once = True
+                        raise RuntimeError("the block fails once")
+                done += len(ids)
+            except RuntimeError:
+                pass
+        assert failed_once
+    assert sorted(r[0] for r in rows(primary, f"SELECT id FROM {stream}_done")) == committed
+    position = one(primary, "SELECT position::text FROM streampos.consumer_positions "
+                            "WHERE stream_name = %s AND consumer_name = 'pusher'", (stream,))
+    assert position == one(primary, "SELECT streampos.current_token(%s)::text", (stream,))

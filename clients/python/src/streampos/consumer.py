@@ -78,6 +78,14 @@ class Consumer:
     The role needs EXECUTE on ``register_consumer``, ``ack`` and
     ``unregister_consumer`` (granted by the database owner) and SELECT on
     the stream's tables.
+
+    ``read_conn``: another autocommit connection, to a hot standby of
+    ``conn``'s server, on which batches are read (``updates_json`` from the
+    position this object last acknowledged, first the one ``conn`` reads):
+    the rows leave the primary, the acknowledgement stays there, in the
+    transaction of ``conn`` that processes them. A standby's copy of the
+    consumer's position lags the primary's, so batches there follow the
+    acknowledged token, never the replicated position.
     """
 
     def __init__(
@@ -89,11 +97,15 @@ class Consumer:
         max_rows: int = 100,
         timeout_ms: int = 30_000,
         exclusive: bool = True,
+        read_conn: Optional[psycopg.Connection] = None,
     ) -> None:
-        if not conn.autocommit:
+        if not conn.autocommit or (read_conn is not None and not read_conn.autocommit):
             # Otherwise the first statement opens a transaction that every
             # batch would only be a savepoint of: nothing would ever commit.
             raise ValueError("streampos.Consumer needs a connection in autocommit mode")
+        self.read_conn = read_conn
+        # With read_conn: the position last acknowledged (text).
+        self._since: Optional[str] = None
         self.conn = conn
         self.stream = stream
         self.name = name
@@ -211,6 +223,9 @@ class Consumer:
         ``self.conn``, then ``ack`` of the batch's token; it all commits when
         the block ends, or none of it if the block raises."""
         self._lock()
+        if self.read_conn is not None:
+            yield from self._batch_from_standby()
+            return
         with self.conn.transaction():
             row = self.conn.execute(
                 "SELECT streampos.updates_json(%s, consumer => %s, max_rows => %s, timeout_ms => %s)",
@@ -223,3 +238,27 @@ class Consumer:
                 "SELECT streampos.ack(%s, %s, %s::streampos.multi_writer_token)",
                 (self.stream, self.name, str(batch.token)),
             )
+
+    def _batch_from_standby(self) -> Iterator[Batch]:
+        """``batch`` with ``read_conn``: read there, acknowledge on ``conn``."""
+        assert self.read_conn is not None
+        if self._since is None:
+            position = self.position()
+            if position is None:
+                raise LookupError(f"consumer {self.name!r} of stream {self.stream!r} is not registered")
+            self._since = str(position)
+        row = self.read_conn.execute(
+            "SELECT streampos.updates_json(%s, %s::streampos.multi_writer_token, %s, %s)",
+            (self.stream, self._since, self.max_rows, self.timeout_ms),
+        ).fetchone()
+        assert row is not None
+        batch = Batch.from_answer(row[0])
+        with self.conn.transaction():
+            yield batch
+            self.conn.execute(
+                "SELECT streampos.ack(%s, %s, %s::streampos.multi_writer_token)",
+                (self.stream, self.name, str(batch.token)),
+            )
+        # Committed: the next batch goes on from here (a block that raised
+        # reads the same rows again).
+        self._since = str(batch.token)
