@@ -33,6 +33,7 @@ from support import (
     connect_raw,
     create_stream,
     next_id,
+    one,
     rows,
     scratch_database,
     server_settings,
@@ -216,6 +217,8 @@ def test_the_exporter_shows_the_views(exporter, connect):
         metrics, text = scrape(url)
         streams = {r["stream_name"]: r for r in view_rows(c, "stat_streams")}
         consumers = view_rows(c, "consumers")
+        safe = one(c, "SELECT streampos.stream_pos(streampos.safe_to_delete('events'))")
+        newest = one(c, "SELECT streampos.max_stream_pos(streampos.current_token('events'))")
         registry = view_rows(c, "stat_registry")[0]
         holder.execute("ROLLBACK")
         holder.close()
@@ -263,6 +266,12 @@ def test_the_exporter_shows_the_views(exporter, connect):
         assert metrics[(f"streampos_registry_{column}", frozenset())] == registry[column]
     assert metrics[("streampos_registry_ring_folds_total", frozenset())] == registry["ring_folds"]
     assert metrics[("streampos_registry_position_workers", frozenset())] >= 1
+    # Retention: only streams with consumers.
+    retention = frozenset({("stream", "events")})
+    assert metrics[("streampos_retention_safe_to_delete_position", retention)] == safe
+    assert metrics[("streampos_retention_held_ids", retention)] == newest - safe > 0
+    assert not any(m.startswith("streampos_retention_") and ("stream", "receipts") in labels
+                   for m, labels in metrics)
     [pusher] = consumers
     labels = frozenset({("stream", "events"), ("consumer", "pusher")})
     assert pusher["lag_ids"] == 7
