@@ -866,16 +866,7 @@ pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
     // promotion: the registry, loaded after it, cannot know what it saw.
     // SAFETY: `snapshot` is a valid snapshot of this transaction.
     if in_recovery() || unsafe { (*snapshot).takenDuringRecovery } {
-        // The stored positions as `snapshot` sees them: SPI reads with the
-        // active snapshot, and a follower's wait passes a newer one each
-        // time it looks again.
-        // SAFETY: `snapshot` is valid (as above); pushed and popped around
-        // the reads (an ERROR's abort pops it).
-        unsafe { pg_sys::PushActiveSnapshot(snapshot) };
-        let answer = standby_answer(meta);
-        // SAFETY: pops the snapshot pushed above.
-        unsafe { pg_sys::PopActiveSnapshot() };
-        return answer;
+        return stored_answer(meta, snapshot);
     }
     let view = with_index(meta, |index| {
         registry::view(index, meta.key, meta.seq, snapshot)
@@ -886,6 +877,27 @@ pub fn fresh_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
         worker::ensure_running();
     }
     Answer::resolve(view)
+}
+
+/// The hot standby's answer (`standby_answer`) as `snapshot` sees the
+/// stored positions: SPI reads with the active snapshot, and a follower's
+/// wait passes a newer one each time it looks again. Never the registry:
+/// a standby's follower keeps to it even once the server was promoted
+/// during its call (the registry, loaded mid-statement, would read the
+/// rows through the statement's older snapshot).
+pub fn stored_answer(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Answer {
+    with_active_snapshot(snapshot, || standby_answer(meta))
+}
+
+/// Run `f` with `snapshot` as the active snapshot (what SPI reads with).
+pub fn with_active_snapshot<T>(snapshot: pg_sys::Snapshot, f: impl FnOnce() -> T) -> T {
+    // SAFETY: `snapshot` is a valid snapshot of this transaction; pushed
+    // and popped around `f` (an ERROR's abort pops it).
+    unsafe { pg_sys::PushActiveSnapshot(snapshot) };
+    let value = f();
+    // SAFETY: pops the snapshot pushed above.
+    unsafe { pg_sys::PopActiveSnapshot() };
+    value
 }
 
 /// A hot standby cannot see what is in flight on the primary (and its

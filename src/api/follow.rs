@@ -27,13 +27,31 @@ const MAX_ROWS: i32 = 10_000;
 /// commit that happens while we wait, so each check takes the latest
 /// snapshot and computes afresh; every later statement of the caller sees at
 /// least as much.
-fn answer_now(meta: &StreamMeta) -> std::rc::Rc<engine::Answer> {
+fn answer_now(meta: &StreamMeta, waiter: Waiter) -> std::rc::Rc<engine::Answer> {
+    // A standby's follower reads the stored positions for the whole call,
+    // also if the server is promoted meanwhile (`engine::stored_answer`).
+    if let Waiter::Standby { .. } = waiter {
+        return std::rc::Rc::new(engine::stored_answer(meta, follower_snapshot()));
+    }
     // SAFETY: called inside a running transaction.
     unsafe {
         if pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 {
             engine::answer_for(meta, pg_sys::GetTransactionSnapshot())
         } else {
             std::rc::Rc::new(engine::fresh_answer(meta, pg_sys::GetLatestSnapshot()))
+        }
+    }
+}
+
+/// The snapshot a follower's look reads with: the transaction's under
+/// REPEATABLE READ and SERIALIZABLE, else the latest.
+fn follower_snapshot() -> pg_sys::Snapshot {
+    // SAFETY: called inside a running transaction.
+    unsafe {
+        if pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 {
+            pg_sys::GetTransactionSnapshot()
+        } else {
+            pg_sys::GetLatestSnapshot()
         }
     }
 }
@@ -94,13 +112,7 @@ fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i6
     // A hot standby has no registry to load the ranges into: it reads the
     // marks (they replicate), every one of which is a range of its past.
     let lost = if in_recovery() {
-        history::LostRanges {
-            ranges: sql::history_marks(&meta.name)
-                .into_iter()
-                .map(|(_, have, ceiling)| history::LostRange { have, ceiling })
-                .collect(),
-            current: None,
-        }
+        standby_lost_ranges(meta)
     } else {
         engine::with_index(meta, |index| {
             history::lost_ranges(index, meta.key, meta.seq)
@@ -115,6 +127,41 @@ fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i6
                 ceiling: range.ceiling,
             }
             .report();
+        }
+    }
+}
+
+/// A standby's lost ranges: every replicated history mark, as the
+/// follower's snapshot sees them (a mark replicated while it waits counts
+/// at its next look).
+fn standby_lost_ranges(meta: &StreamMeta) -> history::LostRanges {
+    history::LostRanges {
+        ranges: engine::with_active_snapshot(follower_snapshot(), || {
+            sql::history_marks(&meta.name)
+        })
+        .into_iter()
+        .map(|(_, have, ceiling)| history::LostRange { have, ceiling })
+        .collect(),
+        current: None,
+    }
+}
+
+/// On a standby, at each look: the follower's positions must not lie in a
+/// lost range that replicated (or was made by a promotion) since the call
+/// began (72000, as at its start).
+fn recheck_on_standby(meta: &StreamMeta, waiter: Waiter, positions: &[i64]) {
+    if let Waiter::Standby { .. } = waiter {
+        let lost = standby_lost_ranges(meta);
+        for &position in positions {
+            if let Some(range) = lost.range_of(position) {
+                Error::LostHistory {
+                    stream: meta.name.as_str().into(),
+                    position,
+                    have: range.have,
+                    ceiling: range.ceiling,
+                }
+                .report();
+            }
         }
     }
 }
@@ -186,6 +233,32 @@ fn answer_now_or_gather(not_before: Option<Instant>, now: Instant, deadline: Ins
     }
 }
 
+/// The longest a standby's follower waits in one call: with
+/// `hot_standby_feedback` off, the statement's snapshot conflicts with
+/// replay of the primary's pruning (the worker's own updates of the stored
+/// positions among it), and replay waits for it up to
+/// `max_standby_streaming_delay`: the wait would hold back the very
+/// replay that would wake it, and every reader of the standby. Then half
+/// that delay (at least 100 ms; 1 s when replay waits forever), or the
+/// caller's timeout if shorter; an early return is an answer with nothing
+/// new, as a timeout. With feedback on, the caller's timeout.
+fn standby_wait_cap() -> Duration {
+    // SAFETY: reads this process's copies of two settings.
+    let (feedback, delay) = unsafe {
+        (
+            pg_sys::hot_standby_feedback,
+            pg_sys::max_standby_streaming_delay,
+        )
+    };
+    if feedback {
+        Duration::MAX
+    } else if delay < 0 {
+        Duration::from_millis(1000)
+    } else {
+        Duration::from_millis((delay as u64 / 2).max(100))
+    }
+}
+
 /// `wait_until` on a hot standby (`Waiter::Standby`).
 fn wait_on_standby<T>(
     db: pg_sys::Oid,
@@ -194,10 +267,20 @@ fn wait_on_standby<T>(
     not_before: Option<Instant>,
     mut ready: impl FnMut() -> (bool, T),
 ) -> T {
-    let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
+    let deadline =
+        Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64).min(standby_wait_cap());
     let watch_client = has_client();
     let sleep_watches_client = watch_client && registry::watches_client();
+    let mut last = None;
     loop {
+        // Promoted since the call began: it ends with its last answer (read
+        // as a standby's, exact), and the next call runs on the new
+        // primary, with a primary's checks of the follower's token.
+        if !in_recovery() {
+            if let Some(value) = last.take() {
+                return value;
+            }
+        }
         // Read before the answer: a record replayed after it moves it.
         let (records, seen) = registry::replay_seen(db, key).unwrap_or((0, 0));
         let (done, value) = ready();
@@ -209,9 +292,11 @@ fn wait_on_standby<T>(
             if answer_now_or_gather(not_before, now, deadline) {
                 return value;
             }
+            last = Some(value);
             continue;
         }
-        let mut bound = if records > 0 && in_recovery() {
+        last = Some(value);
+        let mut bound = if records > 0 {
             STANDBY_RECHECK_MS
         } else {
             STANDBY_POLL_MS
@@ -389,15 +474,16 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     // history too.
     refuse_lost_history(&meta, [target, target.saturating_sub(1)]);
     let reached = wait_until(waiter, timeout_ms, None, || {
-        let f = answer_now(&meta).frontier();
+        recheck_on_standby(&meta, waiter, &[target, target.saturating_sub(1)]);
+        let f = answer_now(&meta, waiter).frontier();
         (f >= target, f)
     });
     meta.external(reached)
 }
 
 /// The current token for the follower's snapshot.
-fn token_now(meta: &StreamMeta) -> Token {
-    let a = answer_now(meta);
+fn token_now(meta: &StreamMeta, waiter: Waiter) -> Token {
+    let a = answer_now(meta, waiter);
     a.positions.token(&writer_ids(meta, &a))
 }
 
@@ -417,10 +503,14 @@ fn refuse_foreign_token(meta: &StreamMeta, token: &Token) {
             )
         });
     }
-    refuse_lost_history(
-        meta,
-        std::iter::once(token.stream()).chain(token.instances().iter().map(|&(_, p)| p)),
-    );
+    refuse_lost_history(meta, token_positions(token));
+}
+
+/// Every position a token carries: its minimum and each writer's.
+fn token_positions(token: &Token) -> Vec<i64> {
+    std::iter::once(token.stream())
+        .chain(token.instances().iter().map(|&(_, p)| p))
+        .collect()
 }
 
 /// A consumer's `wait_for`: sleep until the stream's current token is past
@@ -436,8 +526,10 @@ fn wait_for_consumer(stream: &str, consumer: &str, timeout_ms: i32) -> MultiWrit
     let position = super::consumers::consumer_position(stream, consumer);
     let waiter = waiter(&meta);
     refuse_foreign_token(&meta, &position);
+    let positions = token_positions(&position);
     MultiWriterToken(wait_until(waiter, timeout_ms, None, || {
-        let t = token_now(&meta);
+        recheck_on_standby(&meta, waiter, &positions);
+        let t = token_now(&meta, waiter);
         (!t.is_before_or_eq(&position), t)
     }))
 }
@@ -585,8 +677,10 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form
     } else {
         None
     };
+    let positions = token_positions(&since);
     let current = wait_until(waiter, timeout_ms, not_before, || {
-        let t = token_now(&meta);
+        recheck_on_standby(&meta, waiter, &positions);
+        let t = token_now(&meta, waiter);
         let t = if form.ordered { t.bound(t.stream()) } else { t };
         (!t.is_before_or_eq(&since), t)
     });
