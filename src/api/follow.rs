@@ -108,15 +108,20 @@ fn refuse_ahead(
 /// aborted IDs or rows deleted since: it resynchronises needlessly, never
 /// wrongly). Checked for every position a token carries (its minimum and
 /// each writer's) and for a `wait_for` target.
-fn refuse_lost_history(meta: &StreamMeta, positions: impl IntoIterator<Item = i64>) {
+fn refuse_lost_history(
+    meta: &StreamMeta,
+    waiter: Waiter,
+    positions: impl IntoIterator<Item = i64>,
+) {
     // A hot standby has no registry to load the ranges into: it reads the
     // marks (they replicate), every one of which is a range of its past.
-    let lost = if in_recovery() {
-        standby_lost_ranges(meta)
-    } else {
-        engine::with_index(meta, |index| {
+    // By the waiter, not by `in_recovery()`: a promotion since the call
+    // chose it must not load the registry mid-statement.
+    let lost = match waiter {
+        Waiter::Standby { .. } => standby_lost_ranges(meta),
+        Waiter::Primary(_) => engine::with_index(meta, |index| {
             history::lost_ranges(index, meta.key, meta.seq)
-        })
+        }),
     };
     for position in positions {
         if let Some(range) = lost.range_of(position) {
@@ -151,18 +156,7 @@ fn standby_lost_ranges(meta: &StreamMeta) -> history::LostRanges {
 /// began (72000, as at its start).
 fn recheck_on_standby(meta: &StreamMeta, waiter: Waiter, positions: &[i64]) {
     if let Waiter::Standby { .. } = waiter {
-        let lost = standby_lost_ranges(meta);
-        for &position in positions {
-            if let Some(range) = lost.range_of(position) {
-                Error::LostHistory {
-                    stream: meta.name.as_str().into(),
-                    position,
-                    have: range.have,
-                    ceiling: range.ceiling,
-                }
-                .report();
-            }
-        }
+        refuse_lost_history(meta, waiter, positions.iter().copied());
     }
 }
 
@@ -472,7 +466,7 @@ fn wait_for(stream: &str, stream_id: i64, timeout_ms: i32) -> i64 {
     }
     // The follower's position (one below "anything new") must be of this
     // history too.
-    refuse_lost_history(&meta, [target, target.saturating_sub(1)]);
+    refuse_lost_history(&meta, waiter, [target, target.saturating_sub(1)]);
     let reached = wait_until(waiter, timeout_ms, None, || {
         recheck_on_standby(&meta, waiter, &[target, target.saturating_sub(1)]);
         let f = answer_now(&meta, waiter).frontier();
@@ -490,12 +484,12 @@ fn token_now(meta: &StreamMeta, waiter: Waiter) -> Token {
 /// A follower's token must come from this server's history (72000
 /// otherwise, as for a `since` token: see `refuse_ahead`,
 /// `refuse_lost_history`).
-fn refuse_foreign_token(meta: &StreamMeta, token: &Token) {
+fn refuse_foreign_token(meta: &StreamMeta, waiter: Waiter, token: &Token) {
     // A token at the cap prints to hundreds of kilobytes: the error quotes
     // it clipped and names its highest position. A hot standby cannot tell
     // a token it has not replayed yet from one beyond its primary: the
     // follower waits there.
-    if !in_recovery() {
+    if let Waiter::Primary(_) = waiter {
         refuse_ahead(meta, "token", token.max_stream_pos(), || {
             (
                 token.to_text(TokenKind::MultiWriter),
@@ -503,7 +497,7 @@ fn refuse_foreign_token(meta: &StreamMeta, token: &Token) {
             )
         });
     }
-    refuse_lost_history(meta, token_positions(token));
+    refuse_lost_history(meta, waiter, token_positions(token));
 }
 
 /// Every position a token carries: its minimum and each writer's.
@@ -525,7 +519,7 @@ fn wait_for_consumer(stream: &str, consumer: &str, timeout_ms: i32) -> MultiWrit
     let meta = super::consumers::forward_stream(stream);
     let position = super::consumers::consumer_position(stream, consumer);
     let waiter = waiter(&meta);
-    refuse_foreign_token(&meta, &position);
+    refuse_foreign_token(&meta, waiter, &position);
     let positions = token_positions(&position);
     MultiWriterToken(wait_until(waiter, timeout_ms, None, || {
         recheck_on_standby(&meta, waiter, &positions);
@@ -670,7 +664,7 @@ fn follow(stream: &str, since: Token, max_rows: i32, timeout_ms: i32, form: Form
     // refused now, not after waiting.
     sql::check_may_follow(&catalog::stream_tables(stream));
     let waiter = waiter(&meta);
-    refuse_foreign_token(&meta, &since);
+    refuse_foreign_token(&meta, waiter, &since);
     // Wait until some writer moved past `since`.
     let not_before = if timeout_ms > 0 {
         batch_window_end(meta.key)
