@@ -8,7 +8,7 @@ import io
 import psycopg
 
 import support
-from support import create_stream, expect_error, one
+from support import create_stream, expect_error, one, rows
 
 GUIDE_ROLE = "streampos_guide_writer"
 
@@ -144,8 +144,7 @@ def test_the_limits_the_guide_states(connect, db, stream):
     streampos.max_streams_per_transaction (stream, writer) pairs (53400
     beyond, naming the setting, and the earlier pairs' IDs are still its
     own); next_ids takes at most 1 000 000 IDs a call (22023 beyond); a
-    transaction may hold any number of IDs across calls (one entry per
-    pair, whatever the count). A stream open to any writer remembers 1024
+    transaction may hold any number of IDs across calls. A stream open to any writer remembers 1024
     writers (test_fixed_tables.py); a server, streampos.max_streams streams
     (test_torture.py::test_registry_exhaustion_in_one_transaction)."""
     create_stream(db, stream)
@@ -165,5 +164,7 @@ def test_the_limits_the_guide_states(connect, db, stream):
         for _ in range(3):
             ids = one(db, "SELECT streampos.next_ids(%s, 'importer', 1000000)", (stream,))
             assert len(ids) == 1000000
-        assert one(db, "SELECT count(*) FROM streampos.in_flight(%s)", (stream,)) == 1
+        # Only this transaction's writer is in flight (how many rows
+        # in_flight shows for it depends on what is durable yet).
+        assert rows(db, "SELECT DISTINCT instance_name FROM streampos.in_flight(%s)", (stream,)) == [("importer",)]
     assert one(db, "SELECT streampos.frontier(%s)", (stream,)) == before + 3000000
