@@ -45,16 +45,30 @@ pub fn wait_for_change(
         let locked = Locked::acquire(Section::OtherShared)?;
         &mut locked.streams()[stream].cv as *mut pg_sys::ConditionVariable
     };
+    sleep_on(cv, timeout_ms, watch_client, || {
+        Ok(generation(stream)? != seen)
+    })
+}
+
+/// Sleep on condition variable `cv` until `changed` says so, `timeout_ms`
+/// passes, or (with `watch_client`, where `watches_client()`) the client's
+/// connection closes. Query cancel and termination are raised as usual.
+fn sleep_on(
+    cv: *mut pg_sys::ConditionVariable,
+    timeout_ms: i64,
+    watch_client: bool,
+    mut changed: impl FnMut() -> Result<bool, Error>,
+) -> Result<Woken, Error> {
     let deadline =
         std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
     let watch_client = watch_client && watches_client();
     let woken = loop {
-        // On the list before the generation is read: a broadcast after
+        // On the list before the condition is read: a broadcast after
         // the read sets our latch.
         // SAFETY: the condition variable lives in shared memory for the
         // life of the server; preparing again replaces the earlier one.
         unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
-        if generation(stream)? != seen {
+        if changed()? {
             break Woken::Changed;
         }
         let now = std::time::Instant::now();
@@ -194,34 +208,7 @@ pub fn wait_for_replay(
         }
         &raw mut (*HEADER).replay.cv
     };
-    let deadline =
-        std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms.max(0) as u64);
-    let watch_client = watch_client && watches_client();
-    let woken = loop {
-        // SAFETY: as in `wait_for_change`.
-        unsafe { pg_sys::ConditionVariablePrepareToSleep(cv) };
-        if replay_seen(db, key).map(|s| s.1) != Some(seen) {
-            break Woken::Changed;
-        }
-        let now = std::time::Instant::now();
-        if now >= deadline {
-            break Woken::TimedOut;
-        }
-        let left = (deadline - now)
-            .as_micros()
-            .div_ceil(1000)
-            .clamp(1, i32::MAX as u128) as i64;
-        if watch_client {
-            if sleep_watching_client(left) {
-                break Woken::ClientGone;
-            }
-            pgrx::check_for_interrupts!();
-        } else {
-            // SAFETY: prepared above on the same condition variable.
-            unsafe { pg_sys::ConditionVariableTimedSleep(cv, left, pg_sys::PG_WAIT_EXTENSION) };
-        }
-    };
-    // SAFETY: ends the sleep prepared above (also done by abort cleanup).
-    unsafe { pg_sys::ConditionVariableCancelSleep() };
-    Ok(woken)
+    sleep_on(cv, timeout_ms, watch_client, || {
+        Ok(replay_seen(db, key).map(|s| s.1) != Some(seen))
+    })
 }
