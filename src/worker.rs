@@ -164,18 +164,9 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
 
 static mut PREVIOUS_EMIT_LOG_HOOK: pg_sys::emit_log_hook_type = None;
 
-/// SQLSTATE 3D000 as PostgreSQL encodes it (MAKE_SQLSTATE: six bits a
-/// character, the first lowest); pgrx names no such code.
-const UNDEFINED_DATABASE: i32 = {
-    let code = *b"3D000";
-    let mut value = 0;
-    let mut i = 0;
-    while i < 5 {
-        value |= ((code[i] - b'0') as i32 & 0x3F) << (6 * i);
-        i += 1;
-    }
-    value
-};
+/// SQLSTATE 3D000: PostgreSQL's ERRCODE_UNDEFINED_DATABASE, an alias of
+/// ERRCODE_INVALID_CATALOG_NAME (the one pgrx names).
+const UNDEFINED_DATABASE: i32 = PgSqlErrorCode::ERRCODE_INVALID_CATALOG_NAME as i32;
 
 /// While the worker connects: "database … does not exist" (3D000, a
 /// FATAL) is not written to the server log.

@@ -263,8 +263,7 @@ fn wait_on_standby<T>(
 ) -> T {
     let deadline =
         Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64).min(standby_wait_cap());
-    let watch_client = has_client();
-    let sleep_watches_client = watch_client && registry::watches_client();
+    let client = ClientWatch::new();
     let mut last = None;
     loop {
         // Promoted since the call began: it ends with its last answer (read
@@ -276,7 +275,8 @@ fn wait_on_standby<T>(
             }
         }
         // Read before the answer: a record replayed after it moves it.
-        let (records, seen) = registry::replay_seen(db, key).unwrap_or((0, 0));
+        let replay = registry::replay_seen(db, key);
+        let (records, seen) = replay.unwrap_or((0, 0));
         let (done, value) = ready();
         let now = Instant::now();
         if now >= deadline {
@@ -295,29 +295,22 @@ fn wait_on_standby<T>(
         } else {
             STANDBY_POLL_MS
         };
-        if !sleep_watches_client && watch_client {
+        if client.watch && !client.in_sleep {
             bound = bound.min(500);
         }
         let left = ((deadline - now).as_micros().div_ceil(1000) as i64).clamp(1, bound);
-        if registry::replay_seen(db, key).is_none() {
+        if replay.is_none() {
             // Not preloaded here: nothing can wake us; look again soon.
             pgrx::check_for_interrupts!();
             // SAFETY: sleeps this process for at most STANDBY_POLL_MS;
             // interrupts are checked around it.
             unsafe { pg_sys::pg_usleep(left.min(STANDBY_POLL_MS) as std::ffi::c_long * 1000) };
             pgrx::check_for_interrupts!();
-            if watch_client && !client_connected() {
-                end_for_lost_client();
-            }
+            client.check_now();
             continue;
         }
-        let woken = registry::wait_for_replay(db, key, seen, left, watch_client).or_raise();
-        if watch_client
-            && (woken == registry::Woken::ClientGone || !sleep_watches_client)
-            && !client_connected()
-        {
-            end_for_lost_client();
-        }
+        let woken = registry::wait_for_replay(db, key, seen, left, client.watch).or_raise();
+        client.after_sleep(woken);
     }
 }
 
@@ -332,8 +325,7 @@ fn wait_on_primary<T>(
     // Counted among the stream's waiting followers (stat_streams) from the
     // first sleep to the return (or an error, or the backend's exit).
     let mut following = None;
-    let watch_client = has_client();
-    let sleep_watches_client = watch_client && registry::watches_client();
+    let client = ClientWatch::new();
     loop {
         let generation = registry::generation(index).or_raise();
         // Read before the answer: if every WAL record inserted by then was
@@ -363,18 +355,46 @@ fn wait_on_primary<T>(
         // (PostgreSQL 14 cannot watch the socket while it sleeps: it wakes
         // every 500 ms to ask).
         // Rounded up: a wait of 0 ms would return at once (a spin).
-        let bound = match (settled, sleep_watches_client) {
+        let bound = match (settled, client.in_sleep) {
             (false, _) => 100,
             (true, true) => u128::from(u32::MAX),
             (true, false) => 500,
         };
         let left = (deadline - now).as_micros().div_ceil(1000).clamp(1, bound) as i64;
-        let woken = registry::wait_for_change(index, generation, left, watch_client).or_raise();
-        if watch_client
-            && (woken == registry::Woken::ClientGone || !sleep_watches_client)
-            && !client_connected()
-        {
+        let woken = registry::wait_for_change(index, generation, left, client.watch).or_raise();
+        client.after_sleep(woken);
+    }
+}
+
+/// Whether a follower's waits notice its client going away: `watch`, it
+/// has one (never a background worker); `in_sleep`, its sleep watches the
+/// socket too (PostgreSQL 15 and later), else it asks after each sleep.
+#[derive(Clone, Copy)]
+struct ClientWatch {
+    watch: bool,
+    in_sleep: bool,
+}
+
+impl ClientWatch {
+    fn new() -> ClientWatch {
+        let watch = has_client();
+        ClientWatch {
+            watch,
+            in_sleep: watch && registry::watches_client(),
+        }
+    }
+
+    /// End the call if the client is gone.
+    fn check_now(self) {
+        if self.watch && !client_connected() {
             end_for_lost_client();
+        }
+    }
+
+    /// After a sleep that ended as `woken`.
+    fn after_sleep(self, woken: registry::Woken) {
+        if woken == registry::Woken::ClientGone || !self.in_sleep {
+            self.check_now();
         }
     }
 }

@@ -3,6 +3,9 @@
 //! `stat_reset()`. Counters live in shared memory since start-up (see
 //! `registry/stats.rs`).
 
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use pgrx::prelude::*;
 
 use crate::catalog;
@@ -32,8 +35,13 @@ const STAT_STREAMS: &str = "streampos.stat_streams";
 /// what `view` may read in database `db` (with `consumers`: the consumers'
 /// tables too), each only if granted at once, or 55P03 naming what is
 /// locked. Whether `stream_frontiers` is readable (false: it is locked,
-/// and nothing but the stored frontier `stat_streams` shows needs it).
-fn monitoring_locks(view: &str, db: pg_sys::Oid, consumers: bool) -> bool {
+/// and nothing but the stored frontier `stat_streams` shows needs it), and
+/// the database's streams (read once the catalog is locked).
+fn monitoring_locks(
+    view: &str,
+    db: pg_sys::Oid,
+    consumers: bool,
+) -> (bool, HashMap<i32, Rc<catalog::StreamMeta>>) {
     sql::lock_catalog_at_once(view, sql::CATALOG_TABLES).or_raise();
     if consumers {
         sql::lock_catalog_at_once(view, sql::CONSUMER_TABLES).or_raise();
@@ -65,7 +73,7 @@ fn monitoring_locks(view: &str, db: pg_sys::Oid, consumers: bool) -> bool {
     for meta in to_load {
         engine::answer(meta);
     }
-    frontiers
+    (frontiers, streams)
 }
 
 #[allow(clippy::type_complexity)]
@@ -96,8 +104,8 @@ fn stat_get_streams() -> TableIterator<
     registry::require_loaded().or_raise();
     // SAFETY: MyDatabaseId is set once the backend is connected.
     let db = unsafe { pg_sys::MyDatabaseId };
-    let frontiers_readable = monitoring_locks(STAT_STREAMS, db, false);
-    let mut streams: Vec<_> = catalog::streams_by_key().into_values().collect();
+    let (frontiers_readable, streams) = monitoring_locks(STAT_STREAMS, db, false);
+    let mut streams: Vec<_> = streams.into_values().collect();
     streams.sort_by(|a, b| a.name.cmp(&b.name));
     // Positions first: they load a stream's state if nothing used it
     // since start-up.
