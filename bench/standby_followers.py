@@ -68,7 +68,7 @@ a store interval more than the primary's.
 
 Usage (PostgreSQL 16, a release build installed first):
 
-    cd /work/main && source scripts/lib.sh && use_postgresql 16 \\
+    source scripts/lib.sh && use_postgresql 16 \\
       && install_extension --release --no-default-features --features "pg16 stats"
     .venv/bin/python bench/standby_followers.py --pg-bin /opt/streampos/postgresql-16.15.0/bin
 

@@ -457,18 +457,27 @@ def follow_json(conn, since, max_rows=100, timeout_ms=0):
     return answer["token"], [r[0] for r in update_rows(answer)]
 
 
+def replicated_rows(clusters, n, synchronous=False):
+    """A pair with stream ev, n rows committed on the primary and the
+    standby's frontier at n: (pair, the committed IDs)."""
+    pair = clusters.pair(synchronous=synchronous)
+    primary, standby = pair
+    setup_stream(primary, writers=["w1"])
+    committed = commit_rows(primary, n)
+    pair.caught_up()
+    with standby.connect() as s:
+        wait_until(lambda: frontier(s) == n, timeout=10, message="the standby's frontier")
+    return pair, committed
+
+
 def test_a_follower_waiting_on_a_standby_goes_on_across_its_promotion(clusters):
     """A follower long-polls on the standby; the primary stops for good and
     the standby is promoted while it waits: the call ends soon after with
     its last answer (nothing new, its token), and the follower's next calls
     run on the promoted server's registry: every row once, no token back."""
-    pair = clusters.pair(synchronous=True)
+    pair, committed = replicated_rows(clusters, 5, synchronous=True)
     primary, standby = pair
-    setup_stream(primary, writers=["w1"])
-    committed = commit_rows(primary, 5)
-    pair.caught_up()
     with standby.connect() as s:
-        wait_until(lambda: frontier(s) == 5, timeout=10, message="the standby's frontier")
         token, ids = follow_json(s, "0")
     assert ids == committed
     with ThreadPoolExecutor(1) as pool, standby.connect() as s:
@@ -534,13 +543,9 @@ def test_a_standby_follower_waiting_at_promotion_sends_no_position_back(clusters
     row, and a follower that read them on the old primary goes on (an
     adversary's review: the wait loaded the registry mid-statement through
     the statement's older snapshot, and the frontier went back to 5)."""
-    pair = clusters.pair(synchronous=True)
+    pair, _ = replicated_rows(clusters, 5, synchronous=True)
     primary, standby = pair
-    setup_stream(primary, writers=["w1"])
-    commit_rows(primary, 5)
-    pair.caught_up()
     with standby.connect() as s:
-        wait_until(lambda: frontier(s) == 5, timeout=10, message="the standby's frontier")
         token_a, _ = follow_json(s, "0")
     primary.set(**{"streampos.position_interval_ms": "60000"})
     primary.reload()
@@ -570,13 +575,8 @@ def test_a_lost_range_made_by_the_promotion_ends_a_standby_followers_wait(cluste
     not hand the follower the new history's rows as if they followed its
     25: it ends (with nothing) at the promotion, or is told to
     resynchronise (72000); a fresh call is told so."""
-    pair = clusters.pair()
+    pair, _ = replicated_rows(clusters, 20)
     primary, standby = pair
-    setup_stream(primary, writers=["w1"])
-    commit_rows(primary, 20)
-    pair.caught_up()
-    with standby.connect() as s:
-        wait_until(lambda: frontier(s) == 20, timeout=10, message="the standby's frontier")
     pair.disconnect()
     commit_rows(primary, 5)
     with primary.connect() as p:

@@ -28,6 +28,7 @@ from support import (
     stored_positions,
     wait_until,
 )
+from test_ordered import answer as ordered_answer
 
 STANDBY_PORT = int(os.environ.get("STREAMPOS_STANDBY_PORT", "54339"))
 
@@ -251,14 +252,7 @@ def insert_rows(conn, stream, writer, n=1, rollback=False):
 
 def follow_once(conn, stream, since, max_rows=100, timeout_ms=0, ordered=False):
     """One updates_json call: (token, limited, [row ids in ID order])."""
-    answer = one(conn, "SELECT streampos.updates_json(%s, %s, %s, %s, ordered => %s)",
-                 (stream, since, max_rows, timeout_ms, ordered))
-    data, ids, i = answer["data"], [], 0
-    while i < len(data):
-        count = data[i][2]
-        ids.extend(int(r[0]) for r in data[i + 1: i + 1 + count])
-        i += 1 + count
-    return answer["token"], answer["limited"], sorted(ids)
+    return ordered_answer(conn, stream, since, ordered, max_rows, timeout_ms)
 
 
 def replayed(replica, stream, frontier):

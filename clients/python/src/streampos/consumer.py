@@ -234,10 +234,7 @@ class Consumer:
             assert row is not None
             batch = Batch.from_answer(row[0])
             yield batch
-            self.conn.execute(
-                "SELECT streampos.ack(%s, %s, %s::streampos.multi_writer_token)",
-                (self.stream, self.name, str(batch.token)),
-            )
+            self._ack(batch)
 
     def _batch_from_standby(self) -> Iterator[Batch]:
         """``batch`` with ``read_conn``: read there, acknowledge on ``conn``."""
@@ -255,10 +252,14 @@ class Consumer:
         batch = Batch.from_answer(row[0])
         with self.conn.transaction():
             yield batch
-            self.conn.execute(
-                "SELECT streampos.ack(%s, %s, %s::streampos.multi_writer_token)",
-                (self.stream, self.name, str(batch.token)),
-            )
+            self._ack(batch)
         # Committed: the next batch goes on from here (a block that raised
         # reads the same rows again).
         self._since = str(batch.token)
+
+    def _ack(self, batch: Batch) -> None:
+        """Acknowledge ``batch``'s token, in ``conn``'s open transaction."""
+        self.conn.execute(
+            "SELECT streampos.ack(%s, %s, %s::streampos.multi_writer_token)",
+            (self.stream, self.name, str(batch.token)),
+        )
