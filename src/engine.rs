@@ -168,6 +168,20 @@ fn lost_ranges_at_load(meta: &StreamMeta, max: i64) -> LostRanges {
     lost
 }
 
+/// Whether loading `meta` now would read its tables (`have_at_most`): in a
+/// history other than the first, before the stream's mark in it is
+/// stored. Monitoring reads lock only what a load reads (an unreadable
+/// history counts as reading them).
+pub fn loading_reads_tables(meta: &StreamMeta) -> bool {
+    match history::current() {
+        Ok(0) => false,
+        Ok(history) => !sql::history_marks(&meta.name)
+            .iter()
+            .any(|&(h, _, _)| h == history),
+        Err(_) => true,
+    }
+}
+
 /// The highest ID at or below `at_most` that this server has for the
 /// stream: a row of its tables (read as their owners) or a stored position
 /// or frontier.
@@ -740,6 +754,24 @@ impl AnswerCache {
         Some(answer)
     }
 
+    /// The answer already given for these contents and stream, without
+    /// making `snapshot` keep it.
+    fn peek(
+        &mut self,
+        hash: u64,
+        snapshot: pg_sys::Snapshot,
+        stream: (i32, pg_sys::Oid),
+    ) -> Option<Rc<Answer>> {
+        self.for_this_transaction();
+        // SAFETY: a valid snapshot of this transaction.
+        let entry = self.find(hash, unsafe { &*snapshot })?;
+        entry
+            .answers
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map(|(_, a)| a.clone())
+    }
+
     fn put(
         &mut self,
         hash: u64,
@@ -857,6 +889,23 @@ pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Rc<Answer> {
     let a = Rc::new(fresh_answer(meta, snapshot));
     ANSWERS.with(|c| c.borrow_mut().put(hash, snapshot, stream, a.clone()));
     a
+}
+
+/// The answer a check of a caller's value is made against (`ack` refusing
+/// a token past the caller's frontier): the one already given for the
+/// caller's snapshot in this transaction, else one computed now and not
+/// kept. A check hands the caller no answer that a later one must agree
+/// with, and any answer computed for the snapshot is correct for it;
+/// keeping it (the snapshot registered, released at commit) cost an
+/// acknowledgement more than computing it.
+pub fn answer_to_check(meta: &StreamMeta) -> Rc<Answer> {
+    let snapshot = registry::caller_snapshot();
+    // SAFETY: `snapshot` is a valid snapshot of this transaction.
+    let hash = contents_hash(unsafe { &*snapshot });
+    let stream = (meta.key, meta.seq);
+    ANSWERS
+        .with(|c| c.borrow_mut().peek(hash, snapshot, stream))
+        .unwrap_or_else(|| Rc::new(fresh_answer(meta, snapshot)))
 }
 
 /// The answer for `snapshot` computed now, not remembered (followers that

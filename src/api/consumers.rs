@@ -7,7 +7,7 @@
 use pgrx::prelude::*;
 use streampos_core::token::{Token, TokenKind};
 
-use super::reading::token_of;
+use super::reading::{token_in, token_of};
 use crate::catalog::{self, StreamMeta};
 use crate::engine;
 use crate::error::{clip, Error, OrRaise};
@@ -30,11 +30,11 @@ pub(super) fn forward_stream(stream: &str) -> std::rc::Rc<StreamMeta> {
 }
 
 /// A position the caller's snapshot cannot have read past: every writer's
-/// position in `token` at most its position in the stream's current token.
-/// Acknowledging rows that may not exist yet is how a consumer loses them.
-fn refuse_past_frontier(stream: &str, token: &Token) {
-    let current = token_of(stream);
-    if !token.is_before_or_eq(&current) {
+/// position in `token` at most its position in `current`, the stream's
+/// current token for that snapshot. Acknowledging rows that may not exist
+/// yet is how a consumer loses them.
+fn refuse_past_frontier(stream: &str, token: &Token, current: &Token) {
+    if !token.is_before_or_eq(current) {
         Error::InvalidArgument {
             message: format!(
                 "token {} is past the frontier of stream \"{}\"",
@@ -166,7 +166,7 @@ fn register_consumer(
     let position = match since {
         Some(since) => {
             refuse_negative(&since.0);
-            refuse_past_frontier(stream, &since.0);
+            refuse_past_frontier(stream, &since.0, &token_of(stream));
             if let Some(safe) = &others {
                 refuse_below(stream, &since.0, safe);
             }
@@ -292,7 +292,11 @@ fn unregister_consumer(stream: &str, consumer: &str) -> bool {
 fn ack(stream: &str, consumer: &str, token: MultiWriterToken) -> MultiWriterToken {
     let meta = forward_stream(stream);
     refuse_negative(&token.0);
-    refuse_past_frontier(stream, &token.0);
+    refuse_past_frontier(
+        stream,
+        &token.0,
+        &token_in(&meta, &engine::answer_to_check(&meta)),
+    );
     sql::lock_consumers(meta.key, false);
     // The consumer's owner acknowledging (the usual call): only a row it
     // owns is written. Nobody else's call writes a row, or waits for one,

@@ -4,7 +4,7 @@
 use pgrx::prelude::*;
 use streampos_core::token::Token;
 
-use crate::catalog;
+use crate::catalog::{self, StreamMeta};
 use crate::engine::{self, writer_ids};
 use crate::error::{Error, OrRaise};
 use crate::{registry, sql};
@@ -75,13 +75,17 @@ fn writer_positions(
 
 pub(super) fn token_of(stream: &str) -> Token {
     let meta = catalog::stream(stream).or_raise();
-    let a = engine::answer(&meta);
+    token_in(&meta, &engine::answer(&meta))
+}
+
+/// The stream's token in answer `a`.
+pub(super) fn token_in(meta: &StreamMeta, a: &engine::Answer) -> Token {
     if meta.backwards {
         // Per-writer entries cannot be expressed once negated (they would be
         // below the minimum): a backward stream's token is its frontier.
         return Token::live(meta.external(a.frontier()));
     }
-    a.positions.token(&writer_ids(&meta, &a))
+    a.positions.token(&writer_ids(meta, a))
 }
 
 #[pg_extern(stable, strict, parallel_restricted)]

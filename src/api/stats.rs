@@ -62,7 +62,13 @@ fn monitoring_locks(
     if !to_load.is_empty() {
         sql::lock_catalog_at_once(view, sql::LOADING_TABLES).or_raise();
         for meta in &to_load {
-            sql::lock_stream_at_once(view, &meta.name, meta.seq).or_raise();
+            sql::lock_stream_at_once(
+                view,
+                &meta.name,
+                meta.seq,
+                engine::loading_reads_tables(meta),
+            )
+            .or_raise();
         }
     }
     if !frontiers && (!to_load.is_empty() || standby) {

@@ -533,12 +533,19 @@ impl Writers {
         if let Some(&id) = self.ids.get(&bytes) {
             return id;
         }
-        let id = self.look_up(&bytes);
+        let id = match KnownInstances::visible_id(&bytes) {
+            Some(id) => Some(id),
+            None => self.look_up(&bytes).map(|(id, xmin)| {
+                KnownInstances::remember(&bytes, id, xmin);
+                id
+            }),
+        };
         self.ids.insert(bytes, id);
         id
     }
 
-    fn look_up(&mut self, name: &[u8]) -> Option<i32> {
+    /// The instance's id and the transaction that inserted its row.
+    fn look_up(&mut self, name: &[u8]) -> Option<(i32, pg_sys::TransactionId)> {
         if self.opened.is_none() {
             self.opened = open_instances();
         }
@@ -555,7 +562,10 @@ impl Writers {
                 pg_sys::slot_getsomeattrs_int(slot, id_attnum as i32);
                 let i = id_attnum as usize - 1;
                 if !*(*slot).tts_isnull.add(i) {
-                    id = Some((*(*slot).tts_values.add(i)).value() as i32);
+                    let mut should_free = false;
+                    let tuple = pg_sys::ExecFetchSlotHeapTuple(slot, false, &mut should_free);
+                    let xmin = inserted_by((*tuple).t_data);
+                    id = Some(((*(*slot).tts_values.add(i)).value() as i32, xmin));
                 }
             }
             pg_sys::ExecDropSingleTupleTableSlot(slot);
@@ -572,6 +582,86 @@ impl Writers {
                 pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
                 pg_sys::relation_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
             }
+        }
+    }
+}
+
+/// Instance ids this backend has read, with the transaction that inserted
+/// each row: a follower of writers standing apart looks each row's writer
+/// up on every call, and the lookup (the table and its index opened, an
+/// index scan per name) cost more than the rest of a small answer.
+/// `streampos.instances`' rows are never updated or deleted
+/// (`instances_immutable`), so a committed row's id is the answer for
+/// every snapshot that sees the row, which is every snapshot for which
+/// its inserting transaction is not in progress. Emptied when any
+/// relation changes (a dropped extension's table, ids given again by a
+/// new one).
+#[derive(Default)]
+struct KnownInstances {
+    generation: u64,
+    ids: crate::fast_hash::FastMap<Vec<u8>, (i32, pg_sys::TransactionId)>,
+}
+
+thread_local! {
+    static KNOWN_INSTANCES: std::cell::RefCell<KnownInstances> =
+        std::cell::RefCell::new(KnownInstances::default());
+}
+
+/// More names than a stream has writers (1024): past it the map starts
+/// again rather than grow with every name a table's rows carry.
+const KNOWN_INSTANCES_MAX: usize = 4096;
+
+impl KnownInstances {
+    /// The id of instance `name` if its row is known and the active
+    /// snapshot sees it; None: look it up.
+    fn visible_id(name: &[u8]) -> Option<i32> {
+        let generation = relations_generation();
+        let (id, xmin) = KNOWN_INSTANCES.with(|k| {
+            let k = k.borrow();
+            (k.generation == generation)
+                .then(|| k.ids.get(name).copied())
+                .flatten()
+        })?;
+        // SAFETY: the active snapshot of the statement reading the rows;
+        // `xmin` committed (see `remember`), so only the snapshot's view
+        // of it decides, and no commit log is read.
+        let seen = unsafe { !pg_sys::XidInMVCCSnapshot(xmin, pg_sys::GetActiveSnapshot()) };
+        seen.then_some(id)
+    }
+
+    /// Keep the id of a row just read with the active snapshot, unless
+    /// this transaction inserted it (a rollback would take it back). Any
+    /// other row a snapshot sees was committed.
+    fn remember(name: &[u8], id: i32, xmin: pg_sys::TransactionId) {
+        // SAFETY: reads this backend's transaction state.
+        if unsafe { pg_sys::TransactionIdIsCurrentTransactionId(xmin) } {
+            return;
+        }
+        let generation = relations_generation();
+        KNOWN_INSTANCES.with(|k| {
+            let mut k = k.borrow_mut();
+            if k.generation != generation || k.ids.len() >= KNOWN_INSTANCES_MAX {
+                k.ids.clear();
+                k.generation = generation;
+            }
+            k.ids.insert(name.to_vec(), (id, xmin));
+        });
+    }
+}
+
+/// The transaction that inserted a row (PostgreSQL's
+/// `HeapTupleHeaderGetXmin`: frozen reads as `FrozenTransactionId`).
+///
+/// # Safety
+/// `header` is a valid heap tuple header.
+unsafe fn inserted_by(header: *const pg_sys::HeapTupleHeaderData) -> pg_sys::TransactionId {
+    let frozen = (pg_sys::HEAP_XMIN_COMMITTED | pg_sys::HEAP_XMIN_INVALID) as u16;
+    // SAFETY: as the caller promises.
+    unsafe {
+        if (*header).t_infomask & frozen == frozen {
+            pg_sys::FrozenTransactionId
+        } else {
+            (*header).t_choice.t_heap.t_xmin
         }
     }
 }

@@ -256,10 +256,17 @@ pub fn lock_consumers(stream_key: i32, exclusive: bool) {
     } else {
         pg_sys::ShareLock
     };
+    // Granted at once (every acknowledgement but one meeting a
+    // registration): no wait to bound, so no `lock_timeout` to set and
+    // restore, which cost an acknowledgement more than the lock.
+    // SAFETY: a transaction-level heavyweight lock (released when the
+    // transaction or the subtransaction that took it ends), not waited for.
+    let granted = unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, true) };
+    if granted != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL {
+        return;
+    }
     with_lock_wait_bound(|| {
-        // SAFETY: a transaction-level heavyweight lock (released when the
-        // transaction or the subtransaction that took it ends); a failed or
-        // timed-out wait is an ERROR.
+        // SAFETY: as above; a failed or timed-out wait is an ERROR.
         unsafe {
             pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, false);
         }

@@ -2,7 +2,8 @@
 //! for a lock. Every relation such a read may touch is locked first, each
 //! only if granted at once (the lock `LOCK TABLE … NOWAIT` takes): the
 //! extension's tables and their indexes, and, for a stream not used since
-//! start-up (reading it loads it), its sequence and registered tables. A
+//! start-up (reading it loads it), its sequence, and its registered tables
+//! when the load reads them (a promoted server's new history). A
 //! relation that an operator's command holds or waits for (VACUUM FULL,
 //! REINDEX, CLUSTER, ALTER TABLE, LOCK TABLE, ALTER EXTENSION UPDATE, or
 //! another role's lock on its own table) makes the read answer at once:
@@ -89,15 +90,27 @@ pub fn frontiers_locked(view: &str) -> Error {
     locked_now(view, "relation \"streampos.stream_frontiers\"")
 }
 
-/// Lock what loading `stream` reads besides the catalog (its sequence, its
-/// registered tables), each only if granted at once: for a stream not used
-/// since start-up, which a monitoring read would load.
-pub fn lock_stream_at_once(view: &str, stream: &str, seq: pg_sys::Oid) -> Result<(), Error> {
+/// Lock what loading `stream` reads besides the catalog (its sequence, and
+/// its registered tables when `reads_tables`: only in a promoted server's
+/// new history, `engine::loading_reads_tables`), each only if granted at
+/// once: for a stream not used since start-up, which a monitoring read
+/// would load. A table the load does not read is not locked: a migration's
+/// lock on it refuses nothing, and a role that may not read it holds no
+/// lock on it.
+pub fn lock_stream_at_once(
+    view: &str,
+    stream: &str,
+    seq: pg_sys::Oid,
+    reads_tables: bool,
+) -> Result<(), Error> {
     if !lock_at_once(seq) {
-        return Err(locked_now(
-            view,
-            &format!("the sequence of stream \"{stream}\""),
-        ));
+        return Err(Error::LockTimeout {
+            message: format!("{view} cannot be read now: the sequence of stream \"{stream}\" is locked"),
+            detail: "A command holds or waits for a lock on the stream's sequence that conflicts with reading it (ALTER SEQUENCE, DROP SEQUENCE, streampos.drop_stream or a repair); monitoring reads do not wait for it.".into(),
+        });
+    }
+    if !reads_tables {
+        return Ok(());
     }
     for (table, _, _) in registered_tables(stream) {
         if !lock_at_once(table) {

@@ -295,6 +295,33 @@ def test_follower_ahead_of_new_primary_gets_resync_error(clusters):
                else f"{reached} after {took:.1f}s"))
 
 
+def test_a_monitoring_read_after_promotion_does_not_wait_for_a_stream_table(clusters):
+    """In a promoted server's new history, the first use of a stream reads
+    its tables (what this server has: the history's mark). A monitoring
+    read that would load the stream then needs them: a lock on one refuses
+    at once with 55P03 naming it, and the read answers once it is gone
+    (on a server never promoted the tables are not read, nor locked:
+    test_monitoring_locks.py)."""
+    pair = clusters.pair()
+    primary, standby = pair
+    setup_stream(primary, writers=["w1", "w2"])
+    commit_rows(primary, 5, writers=("w1", "w2"))
+    pair.caught_up()
+    primary.kill()
+    standby.promote()
+    with standby.connect() as holder, standby.connect() as reader:
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE ev IN ACCESS EXCLUSIVE MODE")
+        reader.execute("SET statement_timeout = '5s'")
+        with pytest.raises(psycopg.errors.LockNotAvailable) as refused:
+            reader.execute("SELECT * FROM streampos.stat_streams")
+        assert "table public.ev is locked" in str(refused.value), str(refused.value)
+        holder.execute("ROLLBACK")
+        frontier = reader.execute("SELECT frontier FROM streampos.stat_streams WHERE stream_name = 'ev'"
+                                  ).fetchone()[0]
+        assert frontier >= 5
+
+
 # ---------------------------------------------------------------- 4
 
 

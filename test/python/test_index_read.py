@@ -273,6 +273,51 @@ def test_writers_apart_are_read_as_the_statement_reads_them(connect, stream):
     assert not mismatches, f"{len(mismatches)} answers differ, first: {mismatches[0]}"
 
 
+def test_an_instance_the_backend_knows_is_unknown_to_a_snapshot_before_it(connect, stream):
+    """The index read keeps the instance ids it has read (a follower of
+    writers apart would look each writer up on every call), but a snapshot
+    taken before an instance's row committed must not see it: a row whose
+    writer has no instance for that snapshot is compared at the token's
+    least position, as the statement compares it. A backend that read the
+    new instance answers an older, imported snapshot exactly as a backend
+    that never read it."""
+    db, other, exporter, fresh = connect(), connect(), connect(), connect()
+    create_stream(db, stream)
+    ev = f"{stream}_ev"
+    db.execute(f"CREATE TABLE {ev} (id bigint PRIMARY KEY, instance_name text, body text)")
+    db.execute("SELECT streampos.add_table(%s, %s, 'id', 'instance_name')", (stream, ev))
+    with db.transaction():
+        db.execute(f"INSERT INTO {ev} SELECT streampos.next_id(%s, 'w1'), 'w1', 'a'", (stream,))
+    late_name = f"{stream}_late"
+    # A row naming an instance that does not exist yet.
+    with db.transaction():
+        row = one(db, f"INSERT INTO {ev} SELECT streampos.next_id(%s, 'w1'), %s, 'b' RETURNING id",
+                  (stream, late_name))
+    exporter.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    snapshot = one(exporter, "SELECT pg_export_snapshot()")
+    assert one(exporter, "SELECT streampos.frontier(%s)", (stream,)) >= row
+    # The instance comes into being after that snapshot.
+    with other.transaction():
+        other.execute(f"INSERT INTO {ev} SELECT streampos.next_id(%s, %s), %s, 'c'",
+                      (stream, late_name, late_name))
+    late = one(db, "SELECT instance_id FROM streampos.instances WHERE instance_name = %s", (late_name,))
+    since = f"m{row - 1}~{late}.{row}"
+    now = as_text(db, stream, since, 100)
+    assert f'"{late_name}", "b"' not in now, "the late instance is known now: its row is behind the token"
+
+    def under_old_snapshot(conn):
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+        answer = as_text(conn, stream, since, 100)
+        conn.execute("COMMIT")
+        return answer
+
+    known, unknown = under_old_snapshot(db), under_old_snapshot(fresh)
+    exporter.execute("COMMIT")
+    assert f'"{late_name}", "b"' in unknown, unknown
+    assert known == unknown
+
+
 def test_one_table_in_two_streams_is_read_by_each_streams_columns(connect, stream):
     """What the index read keeps of a table is kept per registration: the
     same table registered in two streams by different ID columns, and a
