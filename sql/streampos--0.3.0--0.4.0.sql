@@ -62,6 +62,10 @@ AS 'MODULE_PATHNAME', 'standby_wakeups_replayed_wrapper';
 COMMENT ON FUNCTION streampos.standby_wakeups_replayed() IS
     'Records of the primary''s position worker replayed here since start-up, each waking followers on this standby';
 
+-- Instance rows stay immutable also with session_replication_role =
+-- replica: a backend keeps the ids it has read (src/sql/index_read.rs).
+ALTER TABLE streampos.instances ENABLE ALWAYS TRIGGER instances_immutable;
+
 -- What a prepared transaction may hold rows of (src/prepared.rs): the
 -- lowest ID of every hold given out in the database when it was prepared,
 -- per stream and writer (instance 0: every writer). Its own rows, gone with

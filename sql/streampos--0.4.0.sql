@@ -1223,6 +1223,10 @@ CREATE CAST (multi_writer_token AS room_stream_token)
 
 CREATE TRIGGER instances_immutable BEFORE UPDATE OR DELETE ON instances
     FOR EACH ROW EXECUTE FUNCTION instances_immutable();
+-- Also with session_replication_role = replica: a backend keeps the ids it
+-- has read (src/sql/index_read.rs). A subscription's rows are skipped
+-- first, by catalog_rows_stay_local (triggers fire in name order).
+ALTER TABLE instances ENABLE ALWAYS TRIGGER instances_immutable;
 
 -- A logical replication subscriber's streams are its own: catalog rows a
 -- subscription brings are not applied (the trigger fires in the apply

@@ -804,6 +804,37 @@ impl AnswerCache {
         self.len += 1;
     }
 
+    /// As `put`, without making `snapshot` keep the answer (`answer_to_check`):
+    /// the entry lives until a sweep finds no snapshot holding it, which in
+    /// REPEATABLE READ and SERIALIZABLE is never before the transaction
+    /// ends (its contents are the transaction snapshot's).
+    fn put_unheld(
+        &mut self,
+        hash: u64,
+        snapshot: pg_sys::Snapshot,
+        stream: (i32, pg_sys::Oid),
+        answer: Rc<Answer>,
+    ) {
+        // SAFETY: a valid snapshot of this transaction.
+        let s = unsafe { &*snapshot };
+        if let Some(entry) = self.find(hash, s) {
+            entry.answers.push((stream, answer));
+            return;
+        }
+        if self.len >= self.sweep_at {
+            self.sweep();
+            self.sweep_at = FIRST_SWEEP.max(2 * self.len);
+        }
+        self.entries.entry(hash).or_default().push(CacheEntry {
+            contents: SnapshotContents::of(s),
+            answers: vec![(stream, answer)],
+            holds: Vec::new(),
+            pinned: false,
+            sweep_holds_at: FIRST_HOLDS_SWEEP,
+        });
+        self.len += 1;
+    }
+
     /// Forget the answers no snapshot can ask for again, and let their
     /// snapshots go.
     fn sweep(&mut self) {
@@ -893,19 +924,27 @@ pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Rc<Answer> {
 
 /// The answer a check of a caller's value is made against (`ack` refusing
 /// a token past the caller's frontier): the one already given for the
-/// caller's snapshot in this transaction, else one computed now and not
-/// kept. A check hands the caller no answer that a later one must agree
-/// with, and any answer computed for the snapshot is correct for it;
-/// keeping it (the snapshot registered, released at commit) cost an
-/// acknowledgement more than computing it.
+/// caller's snapshot in this transaction, else one computed now and kept
+/// for that snapshot's contents without registering the snapshot, which
+/// cost an acknowledgement more than computing the answer. Later asks
+/// with the same contents find it (one answer per snapshot: a repeated
+/// `ack` of a token it accepted, or `current_token()` after it, is never
+/// told less); it lives until a sweep finds no snapshot holding it, so in
+/// REPEATABLE READ and SERIALIZABLE to the end of the transaction, and in
+/// READ COMMITTED, where only the same statement or a cursor can ask with
+/// these contents again, at least until eight other snapshots have asked
+/// in the transaction.
 pub fn answer_to_check(meta: &StreamMeta) -> Rc<Answer> {
     let snapshot = registry::caller_snapshot();
     // SAFETY: `snapshot` is a valid snapshot of this transaction.
     let hash = contents_hash(unsafe { &*snapshot });
     let stream = (meta.key, meta.seq);
-    ANSWERS
-        .with(|c| c.borrow_mut().peek(hash, snapshot, stream))
-        .unwrap_or_else(|| Rc::new(fresh_answer(meta, snapshot)))
+    if let Some(a) = ANSWERS.with(|c| c.borrow_mut().peek(hash, snapshot, stream)) {
+        return a;
+    }
+    let a = Rc::new(fresh_answer(meta, snapshot));
+    ANSWERS.with(|c| c.borrow_mut().put_unheld(hash, snapshot, stream, a.clone()));
+    a
 }
 
 /// The answer for `snapshot` computed now, not remembered (followers that

@@ -229,6 +229,43 @@ def test_frontier_never_goes_back_across_ring_folds(small_ring):
         c.close()
 
 
+def test_a_token_ack_accepted_is_not_past_the_same_snapshots_frontier_after_a_fold(small_ring):
+    """As above, with `ack` the REPEATABLE READ transaction's first read:
+    its check of the token against the caller's frontier is an answer for
+    the snapshot, and the same snapshot must not be told less after the
+    ring folds (an adversary's review: an ack checked against an answer it
+    did not keep accepted 20, and the same transaction then read a
+    frontier of 0 and refused the same ack)."""
+    node = small_ring
+    with node.connect() as admin:
+        admin.execute("SELECT streampos.create_stream('foldack')")
+        admin.execute("SELECT streampos.register_consumer('foldack', 'c')")
+    n, w, t, rr, fresh = (node.connect() for _ in range(5))
+    n.execute("BEGIN")
+    one(n, "SELECT pg_current_xact_id()")
+    commit_ids(w, "foldack", "w")
+    t.execute("BEGIN")
+    one(t, "SELECT pg_current_xact_id()")
+    commit_ids(w, "foldack", "w")
+    for _ in range(18):
+        commit_ids(w, "foldack", "w")
+    rr.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    one(rr, "SELECT 1")
+    token = one(fresh, "SELECT streampos.current_token('foldack')::text")
+    accepted = one(rr, "SELECT streampos.ack('foldack', 'c', %s)::text", (token,))
+    assert accepted == token
+    for _ in range(ring_capacity(node) + 24):
+        commit_ids(w, "foldack", "w")
+    t.execute("COMMIT")
+    assert frontier(rr, "foldack") >= int(token)
+    assert one(rr, "SELECT streampos.current_token('foldack')::text") == token
+    assert one(rr, "SELECT streampos.ack('foldack', 'c', %s)::text", (token,)) == token
+    rr.execute("COMMIT")
+    n.execute("COMMIT")
+    for c in (n, w, t, rr, fresh):
+        c.close()
+
+
 def test_old_snapshot_after_a_fold_does_not_see_past_a_delayed_commit(small_ring):
     """A commit that is already visible but whose callback is delayed (the
     test hook holds it for a second) while other commits fold the ring: a

@@ -318,6 +318,23 @@ def test_an_instance_the_backend_knows_is_unknown_to_a_snapshot_before_it(connec
     assert known == unknown
 
 
+def test_instances_stay_immutable_as_a_replica(connect, stream):
+    """The index read keeps instance ids across calls because a row of
+    streampos.instances never changes: also not with
+    session_replication_role = replica, which silences ordinary triggers
+    (an adversary's review renamed an instance that way, and a backend
+    that had read it kept the old id)."""
+    db = connect()
+    create_stream(db, stream)
+    with db.transaction():
+        one(db, "SELECT streampos.next_id(%s, 'w1')", (stream,))
+    db.execute("SET session_replication_role = replica")
+    expect_error(db, "UPDATE streampos.instances SET instance_name = instance_name || 'x' "
+                     "WHERE instance_name = 'w1'", sqlstate="55000")
+    expect_error(db, "DELETE FROM streampos.instances WHERE instance_name = 'w1'", sqlstate="55000")
+    db.execute("RESET session_replication_role")
+
+
 def test_one_table_in_two_streams_is_read_by_each_streams_columns(connect, stream):
     """What the index read keeps of a table is kept per registration: the
     same table registered in two streams by different ID columns, and a
