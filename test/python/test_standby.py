@@ -14,6 +14,7 @@ import psycopg
 
 import pytest
 
+import support
 from support import (
     PG_BIN,
     commit_ids,
@@ -30,7 +31,9 @@ from support import (
 )
 from test_ordered import answer as ordered_answer
 
-STANDBY_PORT = int(os.environ.get("STREAMPOS_STANDBY_PORT", "54339"))
+# Beside the test server's port (scripts/test reserves PORT to PORT+49 for
+# each suite it runs at once).
+STANDBY_PORT = int(os.environ.get("STREAMPOS_STANDBY_PORT", support.PGPORT + 9))
 
 
 def as_postgres(args):

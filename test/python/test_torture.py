@@ -312,7 +312,7 @@ def test_long_cursor_keeps_its_answer_past_8192_snapshots(database, stream):
     assert_clean_run(r, min_commits=20)
 
 
-STANDBY_PORT = int(os.environ.get("STREAMPOS_STANDBY_PORT", "54339"))
+STANDBY_PORT = int(os.environ.get("STREAMPOS_STANDBY_PORT", PGPORT + 9))
 
 
 @pytest.fixture
