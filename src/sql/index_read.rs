@@ -16,8 +16,10 @@
 //! When writers stand apart (a row's writer decides whether it is in
 //! range), a text or varchar instance column of the default collation is
 //! looked up in `streampos.instances` through its unique index on the
-//! name, with the same snapshot, as the statement's subquery does, and
-//! compared by `in_range`, as the statement compares it.
+//! name, with the same snapshot, as the statement's subquery does (or
+//! found among the ids this backend has read, `KnownInstances`, when the
+//! snapshot sees the row they came from), and compared by `in_range`, as
+//! the statement compares it.
 //! Anything else is read by the statement in `followers.rs`.
 //! The caller is checked with the same checks (`check_may_read`), after
 //! pending invalidations are taken in (its ACL and children as they are now).
@@ -595,7 +597,7 @@ impl Writers {
 /// every snapshot that sees the row, which is every snapshot for which
 /// its inserting transaction is not in progress. Emptied when any
 /// relation changes (a dropped extension's table, ids given again by a
-/// new one).
+/// new one). A hit reads and locks nothing of `streampos.instances`.
 #[derive(Default)]
 struct KnownInstances {
     generation: u64,
