@@ -734,14 +734,14 @@ impl AnswerCache {
         entry.holds.push(snapshot);
     }
 
-    fn get(
+    /// The entry for `snapshot`'s contents and its answer for `stream`.
+    fn find_answer(
         &mut self,
         hash: u64,
         snapshot: pg_sys::Snapshot,
         stream: (i32, pg_sys::Oid),
-    ) -> Option<Rc<Answer>> {
+    ) -> Option<(&mut CacheEntry, Rc<Answer>)> {
         self.for_this_transaction();
-        let closed = self.closed;
         // SAFETY: a valid snapshot of this transaction.
         let entry = self.find(hash, unsafe { &*snapshot })?;
         let answer = entry
@@ -749,6 +749,17 @@ impl AnswerCache {
             .iter()
             .find(|(s, _)| *s == stream)
             .map(|(_, a)| a.clone())?;
+        Some((entry, answer))
+    }
+
+    fn get(
+        &mut self,
+        hash: u64,
+        snapshot: pg_sys::Snapshot,
+        stream: (i32, pg_sys::Oid),
+    ) -> Option<Rc<Answer>> {
+        let closed = self.closed;
+        let (entry, answer) = self.find_answer(hash, snapshot, stream)?;
         // Another snapshot with the same contents: it keeps the answer too.
         Self::hold(closed, entry, snapshot);
         Some(answer)
@@ -762,30 +773,32 @@ impl AnswerCache {
         snapshot: pg_sys::Snapshot,
         stream: (i32, pg_sys::Oid),
     ) -> Option<Rc<Answer>> {
-        self.for_this_transaction();
-        // SAFETY: a valid snapshot of this transaction.
-        let entry = self.find(hash, unsafe { &*snapshot })?;
-        entry
-            .answers
-            .iter()
-            .find(|(s, _)| *s == stream)
-            .map(|(_, a)| a.clone())
+        self.find_answer(hash, snapshot, stream).map(|(_, a)| a)
     }
 
+    /// Keep `answer` for `snapshot`'s contents and `stream`. With `hold`,
+    /// `snapshot` keeps it alive (registered); without (`answer_to_check`),
+    /// the entry lives until a sweep finds no snapshot holding it, which in
+    /// REPEATABLE READ and SERIALIZABLE is never before the transaction
+    /// ends (its contents are the transaction snapshot's).
     fn put(
         &mut self,
         hash: u64,
         snapshot: pg_sys::Snapshot,
         stream: (i32, pg_sys::Oid),
         answer: Rc<Answer>,
+        hold: bool,
     ) {
         let closed = self.closed;
         // SAFETY: a valid snapshot of this transaction.
         let s = unsafe { &*snapshot };
         if let Some(entry) = self.find(hash, s) {
-            // Only called after `get` found no answer for this stream.
+            // Only called after `get` or `peek` found no answer for this
+            // stream.
             entry.answers.push((stream, answer));
-            Self::hold(closed, entry, snapshot);
+            if hold {
+                Self::hold(closed, entry, snapshot);
+            }
             return;
         }
         if self.len >= self.sweep_at {
@@ -799,39 +812,10 @@ impl AnswerCache {
             pinned: false,
             sweep_holds_at: FIRST_HOLDS_SWEEP,
         };
-        Self::hold(closed, &mut entry, snapshot);
+        if hold {
+            Self::hold(closed, &mut entry, snapshot);
+        }
         self.entries.entry(hash).or_default().push(entry);
-        self.len += 1;
-    }
-
-    /// As `put`, without making `snapshot` keep the answer (`answer_to_check`):
-    /// the entry lives until a sweep finds no snapshot holding it, which in
-    /// REPEATABLE READ and SERIALIZABLE is never before the transaction
-    /// ends (its contents are the transaction snapshot's).
-    fn put_unheld(
-        &mut self,
-        hash: u64,
-        snapshot: pg_sys::Snapshot,
-        stream: (i32, pg_sys::Oid),
-        answer: Rc<Answer>,
-    ) {
-        // SAFETY: a valid snapshot of this transaction.
-        let s = unsafe { &*snapshot };
-        if let Some(entry) = self.find(hash, s) {
-            entry.answers.push((stream, answer));
-            return;
-        }
-        if self.len >= self.sweep_at {
-            self.sweep();
-            self.sweep_at = FIRST_SWEEP.max(2 * self.len);
-        }
-        self.entries.entry(hash).or_default().push(CacheEntry {
-            contents: SnapshotContents::of(s),
-            answers: vec![(stream, answer)],
-            holds: Vec::new(),
-            pinned: false,
-            sweep_holds_at: FIRST_HOLDS_SWEEP,
-        });
         self.len += 1;
     }
 
@@ -918,7 +902,7 @@ pub fn answer_for(meta: &StreamMeta, snapshot: pg_sys::Snapshot) -> Rc<Answer> {
         return a;
     }
     let a = Rc::new(fresh_answer(meta, snapshot));
-    ANSWERS.with(|c| c.borrow_mut().put(hash, snapshot, stream, a.clone()));
+    ANSWERS.with(|c| c.borrow_mut().put(hash, snapshot, stream, a.clone(), true));
     a
 }
 
@@ -943,7 +927,7 @@ pub fn answer_to_check(meta: &StreamMeta) -> Rc<Answer> {
         return a;
     }
     let a = Rc::new(fresh_answer(meta, snapshot));
-    ANSWERS.with(|c| c.borrow_mut().put_unheld(hash, snapshot, stream, a.clone()));
+    ANSWERS.with(|c| c.borrow_mut().put(hash, snapshot, stream, a.clone(), false));
     a
 }
 

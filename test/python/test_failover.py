@@ -302,11 +302,8 @@ def test_a_monitoring_read_after_promotion_does_not_wait_for_a_stream_table(clus
     at once with 55P03 naming it, and the read answers once it is gone
     (on a server never promoted the tables are not read, nor locked:
     test_monitoring_locks.py)."""
-    pair = clusters.pair()
+    pair, _ = replicated_rows(clusters, 5)
     primary, standby = pair
-    setup_stream(primary, writers=["w1", "w2"])
-    commit_rows(primary, 5, writers=("w1", "w2"))
-    pair.caught_up()
     primary.kill()
     standby.promote()
     with standby.connect() as holder, standby.connect() as reader:
