@@ -223,7 +223,7 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
         crate::registry::forget_all_indexes();
         // The extension may have been dropped (its worker then left) and
         // created again: the next allocation looks for a worker at once.
-        crate::worker::check_soon();
+        crate::backend::set_worker_checked_at(0);
     }
 }
 

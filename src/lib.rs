@@ -8,8 +8,8 @@
 //! |---|---|
 //! | `registry/` | shared memory: the in-flight registry (see its `mod.rs`) |
 //! | `xact.rs` | transaction callbacks |
-//! | `worker.rs`, `held_back.rs` | the background position worker; its held-back warnings |
-//! | `engine.rs` | allocation and per-statement views between the SQL API and the registry |
+//! | `worker.rs`, `held_back.rs`, `worker_launch.rs` | the background position worker; its held-back warnings; its start by the backends that allocate |
+//! | `engine/` | between the SQL API and the registry: allocation (the hot path), a stream's first use (the cold path), the answer per snapshot |
 //! | `api/` | the SQL functions of streams, writing, reading, followers, checks |
 //! | `types.rs` | the token types (varlena I/O, operators' functions) |
 //! | `token_datum.rs` | a token as a varlena datum and back (the types' and the extension's own writes) |
@@ -19,7 +19,7 @@
 //! | `sql/` | every internal SQL statement (the one SPI boundary), and the switch to another role (see its `mod.rs`) |
 //! | `roles.rs` | whether a role has another's privileges, a role's name for messages |
 //! | `session.rs` | an object access hook: another role's code may not take advisory locks or holds in the caller's session |
-//! | `backend.rs` | whether the server is in recovery, this backend's PGPROC number (the lowest layer) |
+//! | `backend.rs` | whether the server is in recovery, this backend's PGPROC number, when it last looked for its worker (the lowest layer) |
 //! | `ffi.rs` | C functions declared by hand |
 //! | `fast_hash.rs` | the hasher of the per-backend caches |
 //! | `guc.rs`, `error.rs` | settings; every user-facing error with its SQLSTATE |
@@ -47,6 +47,7 @@ mod sql;
 mod token_datum;
 mod types;
 mod worker;
+mod worker_launch;
 mod xact;
 
 pgrx::pg_module_magic!();

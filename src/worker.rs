@@ -7,10 +7,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::pg_sys::panic::CaughtError;
 use pgrx::prelude::*;
-use pgrx::IntoDatum;
 
 use streampos_core::token::TokenKind;
 
@@ -18,60 +17,6 @@ use crate::{catalog, engine, guc, held_back, registry, sql};
 
 /// How often the worker forgets finished entries every snapshot sees.
 const PRUNE_INTERVAL_MS: u64 = 20;
-
-thread_local! {
-    static LAST_CHECK: std::cell::Cell<pg_sys::TimestampTz> = const { std::cell::Cell::new(0) };
-}
-
-/// The next `ensure_running` checks, whenever the last check was (the
-/// worker leaves when the extension is dropped). Safe from any callback.
-pub fn check_soon() {
-    LAST_CHECK.with(|c| c.set(0));
-}
-
-/// Start this database's worker unless it runs. Checked at most once a
-/// second per backend, as this is on every allocation's path; returns
-/// whether it checked (callers piggyback other once-a-second work on it).
-pub fn ensure_running() -> bool {
-    // SAFETY: reads the clock; raises no error.
-    let now = unsafe { crate::ffi::unguarded::GetCurrentTimestamp() };
-    if now - LAST_CHECK.with(|c| c.get()) < 1_000_000 {
-        return false;
-    }
-    LAST_CHECK.with(|c| c.set(now));
-    // A single-user backend (postgres --single) has no postmaster to start
-    // a worker: say nothing, and let writers prune (`prune_if_crowded`).
-    // SAFETY: a flag set once at process start.
-    if unsafe { !pg_sys::IsUnderPostmaster } {
-        return true;
-    }
-    // SAFETY: MyDatabaseId is set once the backend is connected.
-    let db = unsafe { pg_sys::MyDatabaseId };
-    if !registry::worker_needed(db) {
-        return true;
-    }
-    let started = BackgroundWorkerBuilder::new("streampos position worker")
-        .set_type("streampos position worker")
-        .set_library("streampos")
-        .set_function("streampos_position_worker")
-        .set_argument(db.into_datum())
-        .enable_spi_access()
-        // Not restarted by the postmaster: the next allocation in the
-        // database starts it again (within a second), and a database that
-        // was dropped is never retried.
-        .set_restart_time(None)
-        .load_dynamic();
-    if started.is_err() {
-        registry::worker_start_failed(db);
-        ereport!(
-            WARNING,
-            PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-            "could not start the streampos position worker",
-            "Writer positions are not stored until it starts; raise max_worker_processes."
-        );
-    }
-    true
-}
 
 #[pg_guard]
 #[no_mangle]
@@ -117,7 +62,7 @@ pub extern "C-unwind" fn streampos_position_worker(arg: pg_sys::Datum) {
         if stopping || last_store.is_none_or(|t| t.elapsed() >= interval) {
             last_store = Some(Instant::now());
             // Each pass is a transaction of its own, so it computes fresh
-            // positions (answers are kept per transaction, see engine.rs).
+            // positions (answers are kept per transaction, see engine/answers.rs).
             let pass_state = std::panic::AssertUnwindSafe(&mut state);
             let (outcome, dropping) = BackgroundWorker::transaction(move || {
                 let pass_state = pass_state;

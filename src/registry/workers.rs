@@ -166,7 +166,7 @@ pub fn generations_of(db: pg_sys::Oid) -> Vec<(usize, u64)> {
 /// since `generations`. In one
 /// section with freeing its slot, so that an allocation either registers
 /// first (and the worker stays) or finds the slot free afterwards (and
-/// starts a new worker: `worker::ensure_running` runs after the
+/// starts a new worker: `worker_launch::ensure_running` runs after the
 /// allocation's entry is published). True when it left.
 pub fn leave_if_idle(db: pg_sys::Oid, generations: &[(usize, u64)]) -> bool {
     // Read before the lock: a durable point read earlier is lower, which

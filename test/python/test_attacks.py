@@ -965,7 +965,7 @@ def test_a_snapshot_from_before_promotion_is_not_told_about_rows_it_cannot_see()
     """BREAKS "no missed rows" across a promotion. A REPEATABLE READ
     transaction on a hot standby takes its snapshot, the standby replays
     ten more commits, and is promoted. The transaction's first frontier()
-    call after promotion is answered from the registry (engine.rs,
+    call after promotion is answered from the registry (engine/answers.rs,
     fresh_answer: in_recovery() is false now), which was just loaded from
     the sequence and holds nothing: frontier() is 30 (or up to 32 more),
     but the snapshot, taken during recovery, sees rows 1..20 only. The
