@@ -2,9 +2,14 @@
 
 use std::time::Duration;
 
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::{Client, NoTls, Statement};
 
-use crate::{updates, Error, MultiWriterToken, Updates};
+use crate::api::millis;
+use crate::{Error, MultiWriterToken, Updates};
+
+/// The follower's call, prepared once per connection: planned once, not on
+/// every poll.
+const UPDATES: &str = "SELECT streampos.updates_json($1, $2, $3, $4)::text";
 
 /// Long-polls `streampos.updates` from a token, on a connection of its own.
 ///
@@ -19,7 +24,7 @@ pub struct Follower {
     conninfo: String,
     stream: String,
     token: MultiWriterToken,
-    client: Option<Client>,
+    client: Option<(Client, Statement)>,
     /// Rows per answer (cut at an ID boundary).
     pub max_rows: i32,
     /// How long one poll waits on the server for a writer to move.
@@ -80,24 +85,22 @@ impl Follower {
     }
 
     async fn poll(&mut self) -> Result<Updates, Error> {
-        if self.client.as_ref().is_none_or(Client::is_closed) {
+        if self.client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
             let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls).await?;
             tokio::spawn(connection);
             self.connections += 1;
-            self.client = Some(client);
+            let statement = client.prepare(UPDATES).await?;
+            self.client = Some((client, statement));
         }
-        let client = self
+        let (client, statement) = self
             .client
             .as_ref()
             .ok_or_else(|| Error::Protocol("no connection".into()))?;
-        updates(
-            client,
-            &self.stream,
-            &self.token,
-            self.max_rows,
-            self.poll_timeout,
-        )
-        .await
+        let ms = millis(self.poll_timeout);
+        let row = client
+            .query_one(statement, &[&self.stream, &self.token, &self.max_rows, &ms])
+            .await?;
+        Updates::from_json(row.try_get(0)?)
     }
 }
 
