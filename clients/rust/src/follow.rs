@@ -11,6 +11,10 @@ use crate::{Error, MultiWriterToken, Updates};
 /// every poll.
 const UPDATES: &str = "SELECT streampos.updates_json($1, $2, $3, $4)::text";
 
+/// After a call a standby's replay cancelled: a short pause, so that a
+/// standby replaying a burst of conflicting records is not asked in a loop.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(10);
+
 /// Long-polls `streampos.updates` from a token, on a connection of its own.
 ///
 /// Each [`Follower::next`] returns the rows after the current token and
@@ -64,7 +68,9 @@ impl Follower {
     }
 
     /// The next answer: rows after the token (possibly none, when the poll
-    /// timed out or only positions moved). Connection failures are retried;
+    /// timed out or only positions moved). Connection failures are retried,
+    /// and so is a call a hot standby's replay cancelled (40001, "conflict
+    /// with recovery": the same question again, on the same connection);
     /// other errors (an unknown stream, say) are returned.
     pub async fn next(&mut self) -> Result<Updates, Error> {
         let mut backoff = Duration::from_millis(50);
@@ -78,6 +84,9 @@ impl Follower {
                     self.client = None;
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(self.max_backoff);
+                }
+                Err(e) if e.sqlstate() == Some("40001") => {
+                    tokio::time::sleep(CONFLICT_PAUSE).await;
                 }
                 Err(e) => return Err(e),
             }
