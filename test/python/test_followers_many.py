@@ -150,7 +150,7 @@ def test_a_follower_that_may_not_see_a_column_is_refused_among_followers_that_ma
         with connect_raw() as c:
             c.execute(f"SET ROLE {some_columns}")
             expect_error(c, "SELECT streampos.updates_json(%s, %s, 100, 3000)", (stream, token), "42501")
-        assert time.monotonic() - started < 1.5, "refused only after waiting"
+        assert time.monotonic() - started < 2.5, "refused only after waiting (3 s)"
         first = commit_row("a")
         for f in waiting:
             assert f.result(timeout=10)[2] == [(first, "w1")]
