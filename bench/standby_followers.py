@@ -2,11 +2,11 @@
 """Long-polling followers on the primary and on a hot standby (issue 33's
 bench): delivery latency and the followers' backends' CPU.
 
-The script makes its own primary and streaming hot standby (initdb,
-pg_basebackup -R, both run as user postgres, each preloading streampos,
+The script makes its own primary and two streaming hot standbys (initdb,
+pg_basebackup -R, all run as user postgres, each preloading streampos,
 reached only through Unix sockets in the working directory; ports 54470
-and 54471 by default), one stream with a table per cell, and measures
-three placements of N long-polling followers:
+to 54472 by default), one stream with a table per cell, and measures
+four placements of N long-polling followers:
 
   (a) primary      followers on the primary (streampos.standby_wakeup_rmgr_id
                    set on both servers, as in (b))
@@ -16,6 +16,8 @@ three placements of N long-polling followers:
   (c) standby, polling
                    followers on the standby with the id 0 on both: they
                    look again every 100 ms
+  (d) two standbys followers alternating between two standbys of the
+                   primary, woken by replay (as (b))
 
 Each round switches the servers between the two configurations (restarts:
 the id is a postmaster setting; the standby gets it first, the primary
@@ -53,6 +55,11 @@ Measured per cell:
     from /proc/<pid>/schedstat (nanoseconds on the CPU) beside it, since
     ticks round a few followers' share to 0. The servers must run on this
     machine. Median over the rounds; ratios against (a) with the same N.
+  - on the standbys ((b), (d)): from the standby's replay of the commit
+    (its replay LSN, polled every 2 ms, at or past the writer's insert
+    LSN read right after its COMMIT) to the follower's answer;
+  - the primary's CPU per measured commit: every process of the primary
+    alive at the cell's start, from /proc/<pid>/schedstat;
   - exactly once: every follower must receive every committed row (warm-up,
     measured, last) exactly once; misses, repeats and rows never written
     are counted and reported, never dropped. Also reported: calls per
@@ -106,7 +113,10 @@ PLACEMENTS = {
     "a": "(a) primary",
     "b": "(b) standby, woken by replay",
     "c": "(c) standby, polling (id 0)",
+    "d": "(d) two standbys, woken by replay",
 }
+# How often the replay watcher asks each standby how far it replayed.
+REPLAY_POLL_S = 0.002
 FOLLOW = "SELECT streampos.updates_json(%s, %s, 100, %s)"
 INSERT = "INSERT INTO {s}_ev SELECT streampos.next_id('{s}', 'w1'), 'w1', repeat('x', 200) RETURNING id"
 
@@ -135,6 +145,23 @@ def cpu_ns(pid):
 def cpu_of(pids):
     """(ticks, ns) summed over pids."""
     return sum(cpu_ticks(p) for p in pids), sum(cpu_ns(p) for p in pids)
+
+
+def cpu_ns_by_pid(pids):
+    """{pid: ns on the CPU} of the pids still alive."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = cpu_ns(pid)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def cpu_delta_ns(before, after):
+    """CPU time between two cpu_ns_by_pid readings, over the processes
+    alive at both."""
+    return sum(after[p] - before[p] for p in before if p in after)
 
 
 def row_ids(answer):
@@ -184,6 +211,15 @@ class Server:
     def set_rmgr(self, rmgr):
         with open(os.path.join(self.data, "postgresql.conf"), "a") as f:
             f.write(f"streampos.standby_wakeup_rmgr_id = {rmgr}\n")
+
+    def children(self):
+        """The pids of the server's processes (the postmaster and its
+        children: backends, walsenders, the position worker, …)."""
+        pid = postmaster_pid(self.data)
+        if pid is None:
+            return []
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+        return [pid] + [int(x) for x in out.split()]
 
     def connect(self):
         c = psycopg.connect(self.dsn, autocommit=True)
@@ -237,30 +273,31 @@ def caught_up(primary, standby, timeout=60):
         time.sleep(0.05)
 
 
-def streaming(primary, timeout=60):
+def streaming(primary, standbys=1, timeout=60):
     deadline = time.monotonic() + timeout
-    while not primary.one("SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"):
+    while primary.one("SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'") < standbys:
         if time.monotonic() > deadline:
             sys.exit(f"the standby does not stream\n{primary.log_tail()}")
         time.sleep(0.05)
 
 
-def configure(primary, standby, rmgr, current):
-    """Both servers to `rmgr`: the standby first when turning it on, the
-    primary first (and the standby only once it replayed every record)
+def configure(primary, standbys, rmgr, current):
+    """Every server to `rmgr`: the standbys first when turning it on, the
+    primary first (and each standby only once it replayed every record)
     when turning it off."""
     if rmgr == current:
         return rmgr
-    order = [standby, primary] if rmgr else [primary, standby]
+    order = standbys + [primary] if rmgr else [primary] + standbys
     for s in order:
-        if s is standby and not rmgr:
-            caught_up(primary, standby)
+        if s is not primary and not rmgr:
+            caught_up(primary, s)
         s.stop()
         s.set_rmgr(rmgr)
         s.start()
-    streaming(primary)
-    caught_up(primary, standby)
-    for s in (primary, standby):
+    streaming(primary, len(standbys))
+    for standby in standbys:
+        caught_up(primary, standby)
+    for s in [primary] + standbys:
         got = int(s.one("SHOW streampos.standby_wakeup_rmgr_id"))
         if got != rmgr:
             sys.exit(f"{s.name}: streampos.standby_wakeup_rmgr_id is {got}, not {rmgr}")
@@ -268,9 +305,10 @@ def configure(primary, standby, rmgr, current):
 
 
 class Cell:
-    def __init__(self, a, primary, standby, placement, n, stream):
-        self.a, self.primary, self.standby = a, primary, standby
-        self.server = primary if placement == "a" else standby
+    def __init__(self, a, primary, standbys, placement, n, stream):
+        self.a, self.primary, self.standbys = a, primary, standbys
+        # (d): the followers alternate between the two standbys.
+        self.servers = {"a": [primary], "b": standbys[:1], "c": standbys[:1], "d": standbys}[placement]
         self.placement, self.n, self.stream = placement, n, stream
         self.lock = threading.Condition()
         self.pids = [None] * n
@@ -285,7 +323,7 @@ class Cell:
 
     def follower(self, i):
         try:
-            with self.server.connect() as c:
+            with self.servers[i % len(self.servers)].connect() as c:
                 self.pids[i] = c.execute("SELECT pg_backend_pid()").fetchone()[0]
                 with self.lock:
                     self.connected += 1
@@ -339,7 +377,27 @@ class Cell:
                     sys.exit(f"a follower failed: {self.errors[0]}")
                 self.lock.wait(timeout=1)
         time.sleep(0.3)  # every follower in its first call
-        wakeups = lambda: self.standby.one("SELECT streampos.standby_wakeups_replayed()")  # noqa: E731
+        # Wake-up records replayed, per standby of the cell (the first
+        # standby's for (a) and (c)).
+        watched = self.servers if self.placement in ("b", "d") else self.standbys[:1]
+        wakeups = lambda: sum(s.one("SELECT streampos.standby_wakeups_replayed()")  # noqa: E731
+                              for s in watched) / len(watched)
+        # When each standby of the cell replayed each commit (by its LSN).
+        replayed_at = [[] for _ in watched]  # [(lsn, monotonic)] per standby
+        watching = threading.Event()
+
+        def watch(k, server):
+            with server.connect() as c:
+                while not watching.is_set():
+                    lsn = c.execute("SELECT pg_last_wal_replay_lsn() - '0/0'::pg_lsn").fetchone()[0]
+                    replayed_at[k].append((int(lsn), time.monotonic()))
+                    time.sleep(REPLAY_POLL_S)
+
+        watchers = [threading.Thread(target=watch, args=(k, sv), daemon=True) for k, sv in enumerate(watched)]
+        if self.placement in ("b", "d"):
+            for t in watchers:
+                t.start()
+        primary_pids = self.primary.children()
 
         written = []  # (id, monotonic of COMMIT returning)
         late = []
@@ -356,8 +414,14 @@ class Cell:
                 else:
                     late.append(-wait)
                 x = writer.execute(insert).fetchone()[0]
-                out.append((x, time.monotonic()))
+                t = time.monotonic()
+                # The commit's record ends at or before this LSN.
+                lsn = writer.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()[0]
+                out.append((x, t))
+                commit_lsn[x] = int(lsn)
             return out
+
+        commit_lsn = {}
 
         warm = commits(WARM_UP)
         written += warm
@@ -367,12 +431,15 @@ class Cell:
         late.clear()
         w0 = wakeups()
         c0 = cpu_of(self.pids)
+        p0 = cpu_ns_by_pid(primary_pids)
         measured = commits(a.commits)
         written += measured
         on_time = self.delivered([x for x, _ in measured], DELIVERY_WAIT_S)
         time.sleep(SETTLE_S)
         c1 = cpu_of(self.pids)
+        p1 = cpu_ns_by_pid(primary_pids)
         w1 = wakeups()
+        watching.set()
         time.sleep(a.idle)
         c2 = cpu_of(self.pids)
         w2 = wakeups()
@@ -390,8 +457,30 @@ class Cell:
         if self.errors:
             sys.exit(f"a follower failed: {self.errors[0]}")
 
+        for t in watchers:
+            if t.is_alive():
+                t.join(timeout=5)
         commit_at = dict(written)
         measured_ids = {x for x, _ in measured}
+
+        def replay_time(k, x):
+            """When standby k had replayed row x's commit (the first poll
+            that saw its LSN), or None."""
+            for lsn, t in replayed_at[k]:
+                if lsn >= commit_lsn[x]:
+                    return t
+            return None
+
+        after_replay = []
+        for i, g in enumerate(self.got):
+            if self.placement not in ("b", "d"):
+                break
+            k = i % len(self.servers)
+            for x, t in g:
+                if x in measured_ids:
+                    r = replay_time(k, x)
+                    if r is not None:
+                        after_replay.append((t - r) * 1000)
         latencies = []
         missing = repeated = unknown = 0
         for g in self.got:
@@ -407,6 +496,8 @@ class Cell:
         rows = sum(len(g) for g in self.got)
         return {
             "latencies": latencies,
+            "after_replay": after_replay,
+            "primary_cpu_commit_ns_ms": cpu_delta_ns(p0, p1) / 1e6 / a.commits,
             "cpu_commit_ticks_ms": (c1[0] - c0[0]) * 1000 / CLK_TCK / a.commits,
             "cpu_commit_ns_ms": (c1[1] - c0[1]) / 1e6 / a.commits,
             "cpu_idle_ticks_ms": (c2[0] - c1[0]) * 1000 / CLK_TCK / a.idle,
@@ -448,8 +539,8 @@ def main():
                                                   "standby_followers.md"))
     a = ap.parse_args()
     fs = [int(x) for x in a.followers.split(",")] + ([128] if a.with_128 else [])
-    if not 54470 <= a.port <= 54478:
-        sys.exit("--port: 54470 to 54478 (the standby takes the next)")
+    if not 54470 <= a.port <= 54477:
+        sys.exit("--port: 54470 to 54477 (the standbys take the next two)")
     started = time.monotonic()
     a.root = a.dir or tempfile.mkdtemp(prefix="streampos-standby-followers-")
     os.makedirs(a.root, exist_ok=True)
@@ -462,6 +553,8 @@ def main():
     a.env = dict(os.environ, LD_LIBRARY_PATH=libdir, RUST_BACKTRACE="0", RUST_LIB_BACKTRACE="0")
     primary = Server(a, "primary", a.port)
     standby = Server(a, "standby", a.port + 1)
+    standby2 = Server(a, "standby2", a.port + 2)
+    standbys = [standby, standby2]
     version = None
     results = {}  # (placement, n) -> [cell results per round]
     try:
@@ -495,18 +588,20 @@ def main():
                         c.execute(f"SELECT streampos.create_stream('{s}')")
                         c.execute(f"CREATE TABLE {s}_ev (id bigint PRIMARY KEY, instance_name text, payload text)")
                         c.execute(f"SELECT streampos.add_table('{s}', '{s}_ev', 'id', 'instance_name')")
-        primary.run(os.path.join(a.pg_bin, "pg_basebackup"), "-h", a.root, "-p", str(a.port), "-U", USER,
-                    "-D", standby.data, "-R", "-X", "stream", "-c", "fast")
-        with open(os.path.join(standby.data, "postgresql.conf"), "a") as f:
-            f.write(f"port = {standby.port}\n")
-        standby.start()
-        streaming(primary)
-        caught_up(primary, standby)
+        for sb in standbys:
+            primary.run(os.path.join(a.pg_bin, "pg_basebackup"), "-h", a.root, "-p", str(a.port), "-U", USER,
+                        "-D", sb.data, "-R", "-X", "stream", "-c", "fast")
+            with open(os.path.join(sb.data, "postgresql.conf"), "a") as f:
+                f.write(f"port = {sb.port}\n")
+            sb.start()
+        streaming(primary, len(standbys))
+        for sb in standbys:
+            caught_up(primary, sb)
         rmgr = 0
         position_interval = primary.one("SHOW streampos.position_interval_ms")
         print(f"PostgreSQL {version}, servers up: {time.monotonic() - started:.0f} s", flush=True)
         for rnd in range(a.rounds):
-            plan = [(0, "c")] + [(RMGR_ID, "a"), (RMGR_ID, "b")]
+            plan = [(0, "c")] + [(RMGR_ID, "a"), (RMGR_ID, "b"), (RMGR_ID, "d")]
             cells = [(r, p, n) for r, p in plan for n in fs]
             # Rotated within each configuration per round.
             k = rnd % len(fs)
@@ -515,10 +610,10 @@ def main():
                 mine = mine[k:] + mine[:k]
                 if rnd % 2:
                     mine.reverse()
-                rmgr = configure(primary, standby, r, rmgr)
+                rmgr = configure(primary, standbys, r, rmgr)
                 for _, p, n in mine:
                     t0 = time.monotonic()
-                    res = Cell(a, primary, standby, p, n, streams[(rnd, p, n)]).run()
+                    res = Cell(a, primary, standbys, p, n, streams[(rnd, p, n)]).run()
                     results.setdefault((p, n), []).append(res)
                     lat = res["latencies"]
                     print(f"round {rnd + 1}: {PLACEMENTS[p]}, N = {n}: p50 {pct(lat, 50):.1f} ms, "
@@ -526,12 +621,12 @@ def main():
                           f"idle {res['cpu_idle_ns_ms']:.3f} ms/s, missing {res['missing']}, "
                           f"repeated {res['repeated']} ({time.monotonic() - t0:.0f} s)", flush=True)
     finally:
-        for s in (standby, primary):
+        for s in standbys + [primary]:
             try:
                 force_stop(s)
             except Exception as e:  # the other must still stop
                 print(f"stopping {s.name}: {e!r}", file=sys.stderr)
-        for s in (standby, primary):
+        for s in standbys + [primary]:
             if s.running():
                 print(f"{s.name} still runs: {s.data} kept", file=sys.stderr)
                 a.dir = a.dir or a.root
@@ -560,13 +655,14 @@ def main():
         "",
         f"    .venv/bin/python {command}",
         "",
-        f"A primary and a streaming hot standby (pg_basebackup -R, asynchronous, fsync on, "
+        f"A primary and two streaming hot standbys (pg_basebackup -R, asynchronous, fsync on, "
         f"`streampos.position_interval_ms` = {position_interval}, `follower_batch_ms` default). One writer "
         f"on the primary commits `INSERT … SELECT streampos.next_id(…) … RETURNING id` at {a.rate:g}/s "
         f"(autocommit): {WARM_UP} warm-up commits, {a.commits} measured, {a.idle:g} s with none, one last. "
         f"N followers, each a thread on its own connection looping `updates_json(stream, token, 100, "
-        f"{TIMEOUT_MS})` (prepared). (a) and (b) with `streampos.standby_wakeup_rmgr_id` = {RMGR_ID} on both "
-        "servers, (c) with 0 on both (the standby's followers look every 100 ms); servers restarted "
+        f"{TIMEOUT_MS})` (prepared); in (d) they alternate between the two standbys. (a), (b) and (d) with "
+        f"`streampos.standby_wakeup_rmgr_id` = {RMGR_ID} on every server, "
+        "(c) with 0 on every server (the standby's followers look every 100 ms); servers restarted "
         f"between the two each round. {a.rounds} round(s).",
         "",
         "Delivery latency: the writer's COMMIT returning → the follower's call returning with the row, "
@@ -590,6 +686,28 @@ def main():
                 f"{med(p, n, 'calls_per_row'):.2f} | {sum(r['empty'] for r in rs)} | "
                 f"{sum(r['missing'] for r in rs)} | {sum(r['repeated'] for r in rs)} | "
                 f"{sum(r['unknown'] for r in rs)} | {wk} |")
+    lines += [
+        "",
+        "From the standby's replay of the commit to the follower's answer ((b) and (d)): each "
+        "standby's `pg_last_wal_replay_lsn()` is polled every "
+        f"{REPLAY_POLL_S * 1000:g} ms from a connection of its own; a commit counts as replayed at the "
+        "first poll that saw `pg_current_wal_insert_lsn()` as the writer read it right after its "
+        "COMMIT (at or past the commit's record: later by up to one poll, and by the records the "
+        "insert position includes beyond it). Issue 33's goal: p50 within 5 ms. The primary's CPU: "
+        "every process of the primary alive at the cell's start (its postmaster's children: the "
+        "writer's backend, walsenders, the position worker, the primary's followers in (a)), "
+        "schedstat, per measured commit, median of the rounds (range).",
+        "",
+        "| placement | N | replay → answer p50 ms | p99 ms | primary's CPU per commit, ms |",
+        "|---|---|---|---|---|",
+    ]
+    for p in PLACEMENTS:
+        for n in fs:
+            rs = results[(p, n)]
+            after = [x for r in rs for x in r["after_replay"]]
+            cells = f"{pct(after, 50):.1f} | {pct(after, 99):.1f}" if after else "– | –"
+            lines.append(f"| {PLACEMENTS[p]} | {n} | {cells} | {med(p, n, 'primary_cpu_commit_ns_ms'):.3f}"
+                         f"{rng(p, n, 'primary_cpu_commit_ns_ms', '{:.3f}')} |")
     lines += [
         "",
         "The followers' backends' CPU, summed over the N backends: per measured commit (from before the "
