@@ -95,6 +95,49 @@ impl Consumer {
         Updates::from_json(row.try_get(0)?)
     }
 
+    /// The acknowledged position, as `q` sees it (None: not registered).
+    pub async fn position<Q: Queryable + ?Sized>(
+        &self,
+        q: &Q,
+    ) -> Result<Option<MultiWriterToken>, Error> {
+        let rows = q
+            .query_rows(
+                "SELECT position FROM streampos.consumer_positions \
+                 WHERE stream_name OPERATOR(pg_catalog.=) $1 \
+                   AND consumer_name OPERATOR(pg_catalog.=) $2",
+                &[&self.stream, &self.name],
+            )
+            .await?;
+        match rows.first() {
+            Some(row) => Ok(Some(row.try_get(0)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The rows after `since`, read on `replica` (a hot standby of the
+    /// primary the consumer acknowledges on), waiting up to the timeout
+    /// for some. The pattern: `since` starts at [`Consumer::position`]
+    /// read on the primary; each batch is processed and acknowledged
+    /// ([`Consumer::ack`]) in a transaction on the primary, and its token
+    /// is the next `since` once that transaction committed (after a
+    /// rollback, ask again from the same `since`). Never the standby's copy
+    /// of the position: it lags the primary's acknowledgements, and a batch
+    /// read from it could repeat rows already processed.
+    pub async fn batch_after<Q: Queryable + ?Sized>(
+        &self,
+        replica: &Q,
+        since: &MultiWriterToken,
+    ) -> Result<Updates, Error> {
+        let ms = millis(self.timeout);
+        let row = one(
+            replica,
+            "SELECT streampos.updates_json($1, $2, $3, $4)::text",
+            &[&self.stream, since, &self.max_rows, &ms],
+        )
+        .await?;
+        Updates::from_json(row.try_get(0)?)
+    }
+
     /// `streampos.wait_for_consumer`: sleeps until the stream is past the
     /// acknowledged position or the timeout passes; returns the stream's
     /// current token. For a consumer that reads its rows with a query of

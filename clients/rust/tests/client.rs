@@ -504,6 +504,56 @@ async fn consumer_acknowledges_with_its_transaction() {
     assert!(!consumer.unregister(&client).await.unwrap());
 }
 
+/// A consumer that reads its batches elsewhere (a hot standby's connection;
+/// here a second connection to the same server stands in for it) and
+/// acknowledges on the primary: from its position, each batch after the
+/// token it last acknowledged, a rolled-back batch again, every row once.
+#[tokio::test]
+async fn consumer_reads_elsewhere_and_acknowledges_on_the_primary() {
+    let conninfo = setup!();
+    let mut writer = connect(&conninfo).await;
+    let mut primary = connect(&conninfo).await;
+    let replica = connect(&conninfo).await;
+    let stream = new_stream(&primary, &["w1", "w2"]).await;
+    let consumer = sp::Consumer::new(&stream, "reader")
+        .with_max_rows(2)
+        .with_timeout(Duration::ZERO);
+    assert_eq!(consumer.position(&primary).await.unwrap(), None);
+    consumer
+        .register(&primary, Some(&MultiWriterToken::live(0)))
+        .await
+        .unwrap();
+    insert(&mut writer, &stream, "w1", &[1, 2, 3], true).await;
+    insert(&mut writer, &stream, "w2", &[4, 5], true).await;
+    let mut since = consumer.position(&primary).await.unwrap().unwrap();
+    let mut got = Vec::new();
+    let mut rolled_back = false;
+    loop {
+        let batch = consumer.batch_after(&replica, &since).await.unwrap();
+        if batch.row_count() == 0 {
+            break;
+        }
+        let txn = primary.transaction().await.unwrap();
+        consumer.ack(&txn, &batch.token).await.unwrap();
+        if !rolled_back {
+            // Processing failed: the same batch again, from the same token.
+            txn.rollback().await.unwrap();
+            rolled_back = true;
+            let again = consumer.batch_after(&replica, &since).await.unwrap();
+            assert_eq!(again, batch);
+            continue;
+        }
+        txn.commit().await.unwrap();
+        for table in &batch.tables {
+            got.extend(table.rows.iter().map(|r| r[0].as_i64().unwrap()));
+        }
+        since = batch.token;
+    }
+    got.sort_unstable();
+    assert_eq!(got, vec![1, 2, 3, 4, 5]);
+    assert_eq!(consumer.position(&primary).await.unwrap(), Some(since));
+}
+
 /// The follower receives every committed row exactly once while writers
 /// commit and abort concurrently and its connection is killed repeatedly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
