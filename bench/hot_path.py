@@ -6,7 +6,8 @@ under gdb with a breakpoint on every function of the extension's crates
 (`rbreak ^streampos`: this crate and streampos-core), armed only for the
 traced statement: the same `SELECT streampos.next_id('s', 'w1')` as the
 two before it, so the stream, its sequence, the writer's instance and the
-session's caches are loaded (the cold path: first use, load, repair, history
+session's caches are loaded, after a pause of 1.1 s (so that the call
+takes the branch of its once-a-second check, which also prunes) (the cold path: first use, load, repair, history
 are not traced). Each statement is a transaction of its own (autocommit):
 its commit's callbacks are part of the trace.
 
@@ -54,10 +55,12 @@ SETUP = [
     "CREATE EXTENSION streampos;",
     "SELECT streampos.create_stream('s');",
 ]
-# Two warm-up runs of the statement, then the traced one (the third
-# statement parsed after start-up: pg_parse_query, which a stripped server
-# binary exports too).
-TRACED_QUERY = 3
+# Two warm-up runs of the statement, a pause past the allocation path's
+# once-a-second check (so the traced call always takes that branch, the
+# costlier one), then the traced statement: the fourth parsed after
+# start-up (pg_parse_query, which a stripped server binary exports too).
+WARM_UP = [STATEMENT, STATEMENT, "SELECT pg_sleep(1.1);"]
+TRACED_QUERY = len(WARM_UP) + 1
 
 GDB_SCRIPT = r'''
 import gdb, json
@@ -66,12 +69,14 @@ calls = {"n": 0}
 
 def stack_of(frame):
     """(file, function) of the frames of the extension's own source files,
-    from `frame` outward."""
+    from `frame` outward: the files the build names relative to the
+    workspace (`src/…`, `core/src/…`), wherever it was built; other crates'
+    and the standard library's are absolute."""
     out = []
     while frame is not None:
         sal = frame.find_sal()
-        path = sal.symtab.fullname() if sal.symtab else ""
-        if any(path.startswith(root) for root in SOURCES):
+        path = sal.symtab.filename if sal.symtab else ""
+        if path.startswith(SOURCES):
             out.append((path, frame.name() or "?"))
         frame = frame.older()
     return out
@@ -86,14 +91,22 @@ gdb.execute("set pagination off")
 gdb.execute("set breakpoint pending on")
 gdb.execute("set confirm off")
 Query("pg_parse_query", internal=True)
-gdb.execute("run " + ARGS + " < " + INPUT + " > " + INPUT + ".out 2>&1")
-# At the traced statement: a breakpoint on every function of the
-# extension's crates (the library is loaded by now).
+# A breakpoint on every function of the extension's crates, set before the
+# run (pending until the library loads) and disabled: enabled only at the
+# traced statement. (Set while stopped there, they were sometimes not hit.)
+entries = []
 for symbol in open(SYMBOLS).read().split():
     try:
-        gdb.Breakpoint("'" + symbol + "'", internal=True)
+        bp = gdb.Breakpoint("'" + symbol + "'", internal=True)
+        bp.enabled = False
+        entries.append(bp)
     except gdb.error:
         pass
+gdb.execute("run " + ARGS + " < " + INPUT + " > " + INPUT + ".out 2>&1")
+if calls["n"] != TRACED:
+    raise gdb.GdbError("not stopped at the traced statement")
+for bp in entries:
+    bp.enabled = True
 events = []
 while True:
     gdb.execute("continue", to_string=True)
@@ -105,6 +118,9 @@ while True:
     # (a Vec's drop, say) is not the extension's code.
     if stack and stack[0][1] == frame.name():
         events.append(stack)
+# Written only for a whole trace: from the traced statement to the next.
+if calls["n"] != TRACED + 1:
+    raise gdb.GdbError(f"the trace did not end at the next statement ({calls['n']})")
 with open(OUT, "w") as f:
     json.dump(events, f)
 gdb.execute("kill")
@@ -128,53 +144,56 @@ def trace(pg_bin):
     """The traced statement's function entries: for each, the stack of the
     extension's frames (file, function), innermost first."""
     root = tempfile.mkdtemp(prefix="streampos-hot-path-")
-    os.chmod(root, 0o777)
-    data = os.path.join(root, "data")
-    os.makedirs(data)
-    if os.geteuid() == 0:
-        shutil.chown(data, "postgres", "postgres")
-    subprocess.run(cg.as_postgres([os.path.join(pg_bin, "initdb"), "-D", data, "-A", "trust",
-                                   "-U", "postgres"]), check=True, capture_output=True)
-    with open(os.path.join(data, "postgresql.conf"), "a") as f:
-        f.write("shared_preload_libraries = 'streampos'\nfsync = off\n")
-    cg.single_user(pg_bin, data, SETUP)
+    try:
+        os.chmod(root, 0o777)
+        data = os.path.join(root, "data")
+        os.makedirs(data)
+        if os.geteuid() == 0:
+            shutil.chown(data, "postgres", "postgres")
+        subprocess.run(cg.as_postgres([os.path.join(pg_bin, "initdb"), "-D", data, "-A", "trust",
+                                       "-U", "postgres"]), check=True, capture_output=True)
+        with open(os.path.join(data, "postgresql.conf"), "a") as f:
+            f.write("shared_preload_libraries = 'streampos'\nfsync = off\n")
+        cg.single_user(pg_bin, data, SETUP)
 
-    input_path = os.path.join(root, "input.sql")
-    with open(input_path, "w") as f:
-        f.write("\n".join([STATEMENT] * (TRACED_QUERY + 1)) + "\n")
-    trace_path = os.path.join(root, "trace.json")
-    # Every function of the library whose symbol names the extension's
-    # crates (their own functions, closures, trait implementations and
-    # generic instantiations; the trace keeps the ones in its sources).
-    library = os.path.join(cg.pkglibdir(pg_bin), "streampos.so")
-    nm = subprocess.run(["nm", library], check=True, capture_output=True, text=True).stdout
-    symbols = sorted({parts[2] for parts in (line.split() for line in nm.splitlines())
-                      if len(parts) == 3 and parts[1] in "tT" and "streampos" in parts[2]})
-    symbols_path = os.path.join(root, "symbols.txt")
-    with open(symbols_path, "w") as f:
-        f.write("\n".join(symbols) + "\n")
-    script = os.path.join(root, "trace.py")
-    with open(script, "w") as f:
-        f.write(f"TRACED = {TRACED_QUERY}\nOUT = {trace_path!r}\nINPUT = {input_path!r}\n"
-                f"ARGS = {('--single -D ' + data + ' postgres')!r}\nSYMBOLS = {symbols_path!r}\n"
-                f"SOURCES = {[os.path.join(REPO, 'src') + '/', os.path.join(REPO, 'core', 'src') + '/']!r}\n")
-        f.write(GDB_SCRIPT)
-    os.chmod(root, 0o777)
-    for path in (input_path, script, symbols_path):
-        os.chmod(path, 0o644)
-    cmd = ["gdb", "-nx", "-batch", "-x", script, os.path.join(pg_bin, "postgres")]
-    out = subprocess.run(cg.as_postgres(cmd), capture_output=True, text=True)
-    if not os.path.exists(trace_path):
-        backend = open(input_path + ".out").read() if os.path.exists(input_path + ".out") else ""
-        sys.exit(f"no trace written ({root}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}\n{backend[-3000:]}")
-    with open(trace_path) as f:
-        events = json.load(f)
-    shutil.rmtree(root, ignore_errors=True)
-    return events
+        input_path = os.path.join(root, "input.sql")
+        with open(input_path, "w") as f:
+            f.write("\n".join(WARM_UP + [STATEMENT, STATEMENT]) + "\n")
+        trace_path = os.path.join(root, "trace.json")
+        # Every function of the library whose symbol names the extension's
+        # crates (their own functions, closures, trait implementations and
+        # generic instantiations; the trace keeps the ones in its sources).
+        library = os.path.join(cg.pkglibdir(pg_bin), "streampos.so")
+        nm = subprocess.run(["nm", library], check=True, capture_output=True, text=True).stdout
+        symbols = sorted({parts[2] for parts in (line.split() for line in nm.splitlines())
+                          if len(parts) == 3 and parts[1] in "tT" and "streampos" in parts[2]})
+        symbols_path = os.path.join(root, "symbols.txt")
+        with open(symbols_path, "w") as f:
+            f.write("\n".join(symbols) + "\n")
+        script = os.path.join(root, "trace.py")
+        with open(script, "w") as f:
+            f.write(f"TRACED = {TRACED_QUERY}\nOUT = {trace_path!r}\nINPUT = {input_path!r}\n"
+                    f"ARGS = {('--single -D ' + data + ' postgres')!r}\nSYMBOLS = {symbols_path!r}\n"
+                    "SOURCES = ('src/', 'core/src/')\n")
+            f.write(GDB_SCRIPT)
+        os.chmod(root, 0o777)
+        for path in (input_path, script, symbols_path):
+            os.chmod(path, 0o644)
+        cmd = ["gdb", "-nx", "-batch", "-x", script, os.path.join(pg_bin, "postgres")]
+        out = subprocess.run(cg.as_postgres(cmd), capture_output=True, text=True)
+        if not os.path.exists(trace_path):
+            backend = open(input_path + ".out").read() if os.path.exists(input_path + ".out") else ""
+            raise RuntimeError(f"no trace written:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}\n"
+                               f"{backend[-3000:]}")
+        with open(trace_path) as f:
+            events = json.load(f)
+        return events
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def short(path):
-    return os.path.relpath(path, REPO)
+    return path
 
 
 # The cold path: a warm call never enters these.
@@ -242,8 +261,8 @@ def summarise(events, build="the working tree"):
     c = counts(rows)
     files = sorted({r[3] for r in rows})
     out = ["# next_id's warm path, file by file", "",
-           f"`{STATEMENT}` (autocommit, the third in a session of `postgres --single`: its commit's "
-           "callbacks included), traced by bench/hot_path.py under gdb in a debug build "
+           f"`{STATEMENT}` (autocommit, after the same statement twice and a 1.1 s pause, in one "
+           "session of `postgres --single`: its commit's callbacks included), traced by bench/hot_path.py under gdb in a debug build "
            f"(nothing inlined) of {build}. Kinds: see bench/hot_path.py. Command:", "",
            "    .venv/bin/python bench/hot_path.py --pg-bin <PostgreSQL bin> --out bench/results/hot_path.md", "",
            "| " + " | ".join(KINDS) + " | files | cold-path entries |", "|" + "---|" * (len(KINDS) + 2),

@@ -10,7 +10,8 @@
 //!
 //! The hot path reads straight: `allocation.rs` calls down into `index.rs`,
 //! `marks.rs` (a check of what this backend already knows), the registry
-//! and the sequence, and `load.rs` only when a stream is not loaded
+//! and the sequence; `index.rs` calls `load.rs` only when a stream is not
+//! loaded (and `marks.rs` only when a history mark must be stored)
 //! (bench/hot_path.py traces it; test_hot_path.py checks it).
 
 mod allocation;

@@ -122,6 +122,54 @@ def defined_names(text):
     return names
 
 
+def split_top(text):
+    """`a, b::{c, d}, e` -> its top-level items."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def use_tree_paths(prefix, tree):
+    """Every path a `use` tree names: `crate::{a::{b, c}, d as e}` ->
+    [crate, a, b], [crate, a, c], [crate, d]."""
+    tree = re.sub(r"\s+", " ", tree).strip()
+    brace = tree.find("{")
+    if brace < 0:
+        return [prefix + [p.strip() for p in tree.split(" as ")[0].split("::") if p.strip()]]
+    head = [p.strip() for p in tree[:brace].split("::") if p.strip()]
+    depth = 0
+    for end in range(brace, len(tree)):
+        depth += {"{": 1, "}": -1}.get(tree[end], 0)
+        if depth == 0:
+            break
+    out = []
+    for item in split_top(tree[brace + 1:end]):
+        out += use_tree_paths(prefix + head, item)
+    return out
+
+
+def absolute(module, path):
+    """A path as written in `module` (crate::…, super::super::…, self::…)
+    from the crate's root, or None for another crate's."""
+    if not path:
+        return None
+    if path[0] == "crate":
+        return path
+    if path[0] in ("super", "self"):
+        base = module.split("::")
+        while path and path[0] == "super":
+            base, path = base[:-1], path[1:]
+        if path and path[0] == "self":
+            path = path[1:]
+        return base + path
+    return None
+
+
 def import_graph():
     """Which file of src/ uses which: paths through `crate::` and `super::`
     (groups expanded), and, for a file that imports its parent with
@@ -139,18 +187,18 @@ def import_graph():
 
     edges = {m: set() for m in files}
     for m, text in texts.items():
+        targets = []
+        # `use` trees, groups nested to any depth (`use crate::{a::{b, c}, d};`).
+        for found in re.finditer(r"\buse\s+((?:crate|super|self)\b[^;]*);", text):
+            targets += use_tree_paths([], found.group(1))
+        # Paths in code (`crate::worker::check()`, `super::super::x`).
+        targets += [p.split("::") for p in re.findall(r"\b(?:crate|super)(?:::\w+)+", text)]
+        for target in targets:
+            path = absolute(m, target)
+            r = path and resolve([t for t in path if t not in ("self", "*")])
+            if r and r != m and not m.startswith(r + "::"):
+                edges[m].add(r)
         parent = m.split("::")[:-1]
-        for found in re.finditer(r"\b(crate|super)((?:::\w+)*)(::\{([^;]*?)\})?", text):
-            base = ["crate"] if found.group(1) == "crate" else parent
-            path = base + found.group(2).split("::")[1:]
-            targets = [path]
-            if found.group(4):
-                targets = [path + [item.strip().split("::")[0].strip("{} ")]
-                           for item in found.group(4).split(",") if item.strip()]
-            for target in targets:
-                r = resolve([t for t in target if t != "self"])
-                if r and r != m and not m.startswith(r + "::"):
-                    edges[m].add(r)
         if re.search(r"^use super::\*;", text, re.M):
             for sibling, sibling_text in texts.items():
                 if sibling == m or sibling.split("::")[:-1] != parent:

@@ -490,6 +490,7 @@ def test_a_standby_follower_gets_every_row_once_across_replay_conflicts(connect,
             print(f"replay conflicts: {one(replica, conflicts) - conflicts_before}, calls ended by them: "
                   f"{sorted((k, cancelled.count(k)) for k in set(cancelled))}")
             assert one(replica, conflicts) > conflicts_before, "no replay conflict happened"
+            assert cancelled, "no follower's call was ended by a conflict"
     finally:
         with connect_raw(port=standby["port"]) as replica:
             replica.execute("ALTER SYSTEM RESET max_standby_streaming_delay")

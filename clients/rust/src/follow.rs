@@ -11,9 +11,18 @@ use crate::{Error, MultiWriterToken, Updates};
 /// every poll.
 const UPDATES: &str = "SELECT streampos.updates_json($1, $2, $3, $4)::text";
 
-/// After a call a standby's replay cancelled: a short pause, so that a
-/// standby replaying a burst of conflicting records is not asked in a loop.
+/// After a call a standby's replay cancelled: a short pause, growing while
+/// calls keep being cancelled, so that a standby replaying a burst of
+/// conflicting records is not asked in a loop.
 const CONFLICT_PAUSE: Duration = Duration::from_millis(10);
+
+/// The follower's connection, its call prepared on it.
+struct Connection {
+    client: Client,
+    statement: Statement,
+    /// Whether the server was in recovery (a hot standby) when connected.
+    in_recovery: bool,
+}
 
 /// Long-polls `streampos.updates` from a token, on a connection of its own.
 ///
@@ -28,7 +37,7 @@ pub struct Follower {
     conninfo: String,
     stream: String,
     token: MultiWriterToken,
-    client: Option<(Client, Statement)>,
+    client: Option<Connection>,
     /// Rows per answer (cut at an ID boundary).
     pub max_rows: i32,
     /// How long one poll waits on the server for a writer to move.
@@ -69,11 +78,15 @@ impl Follower {
 
     /// The next answer: rows after the token (possibly none, when the poll
     /// timed out or only positions moved). Connection failures are retried,
-    /// and so is a call a hot standby's replay cancelled (40001, "conflict
-    /// with recovery": the same question again, on the same connection);
-    /// other errors (an unknown stream, say) are returned.
+    /// and so is a call a hot standby's replay cancelled (40001 on a server
+    /// in recovery, "conflict with recovery": the same question again, on
+    /// the same connection), each with a growing pause (at most
+    /// `max_backoff`); other errors (an unknown stream, say) are returned,
+    /// and the next call connects afresh (its statement prepared again:
+    /// the extension may have been dropped and created since).
     pub async fn next(&mut self) -> Result<Updates, Error> {
         let mut backoff = Duration::from_millis(50);
+        let mut conflict_pause = CONFLICT_PAUSE;
         loop {
             match self.poll().await {
                 Ok(answer) => {
@@ -85,23 +98,55 @@ impl Follower {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(self.max_backoff);
                 }
-                Err(e) if e.sqlstate() == Some("40001") => {
-                    tokio::time::sleep(CONFLICT_PAUSE).await;
+                Err(e) if self.is_recovery_conflict(&e) => {
+                    tokio::time::sleep(conflict_pause).await;
+                    conflict_pause = (conflict_pause * 2).min(self.max_backoff);
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.client = None;
+                    return Err(e);
+                }
             }
         }
     }
 
+    /// A call replay cancelled: 40001 from a server that was in recovery
+    /// when this connection was made, or whose message says so (a
+    /// serialization failure on a primary, a stream dropped concurrently
+    /// say, is the caller's to see).
+    fn is_recovery_conflict(&self, e: &Error) -> bool {
+        if e.sqlstate() != Some("40001") {
+            return false;
+        }
+        let standby = self.client.as_ref().is_some_and(|c| c.in_recovery);
+        let said = match e {
+            Error::Db(db) => db
+                .as_db_error()
+                .is_some_and(|d| d.message().contains("conflict with recovery")),
+            _ => false,
+        };
+        standby || said
+    }
+
     async fn poll(&mut self) -> Result<Updates, Error> {
-        if self.client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+        if self.client.as_ref().is_none_or(|c| c.client.is_closed()) {
             let (client, connection) = tokio_postgres::connect(&self.conninfo, NoTls).await?;
             tokio::spawn(connection);
             self.connections += 1;
             let statement = client.prepare(UPDATES).await?;
-            self.client = Some((client, statement));
+            let in_recovery: bool = client
+                .query_one("SELECT pg_catalog.pg_is_in_recovery()", &[])
+                .await?
+                .try_get(0)?;
+            self.client = Some(Connection {
+                client,
+                statement,
+                in_recovery,
+            });
         }
-        let (client, statement) = self
+        let Connection {
+            client, statement, ..
+        } = self
             .client
             .as_ref()
             .ok_or_else(|| Error::Protocol("no connection".into()))?;
