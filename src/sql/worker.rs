@@ -125,8 +125,10 @@ pub fn store_positions(stream: &str, frontier: bool) -> bool {
 /// minute (past a day's, of each hour). A consumer's lag is counted from
 /// its first mark not acknowledged; keeping the latest of a bucket keeps
 /// that an underestimate by less than the bucket. Run by the position
-/// worker, `frontier_marks` locked (`lock_for_pass`). Whether it marked
-/// (false: the stream has no consumers); None, doing nothing, when
+/// worker, `frontier_marks` locked (`lock_for_pass`). Not when a mark at
+/// or past the token exists (a registration's, `insert_mark`: a pass that
+/// first saw the token after it would mark it again). Whether the token is
+/// marked (false: the stream has no consumers); None, doing nothing, when
 /// `consumer_positions` is not granted to it at once (an operator's
 /// command holds it: the worker marks a second later).
 pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
@@ -151,7 +153,13 @@ pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
     // stream this statement sees (NULL for one dropped since the pass
     // began: safe_to_delete() would raise 42704).
     let marked = update_one::<i64>(
-        "WITH safe AS MATERIALIZED ( \
+        "WITH covered AS MATERIALIZED ( \
+           SELECT FROM streampos.frontier_marks m \
+           WHERE m.stream_name OPERATOR(pg_catalog.=) $1 \
+             AND streampos.is_before_or_eq($2::pg_catalog.text::streampos.multi_writer_token, \
+                                           m.position) \
+           LIMIT 1), \
+         safe AS MATERIALIZED ( \
            SELECT (SELECT streampos.safe_to_delete(s.stream_name) FROM streampos.streams s \
                    WHERE s.stream_name OPERATOR(pg_catalog.=) $1) AS safe), \
          marked AS ( \
@@ -160,6 +168,7 @@ pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
                   $2::pg_catalog.text::streampos.multi_writer_token \
            WHERE EXISTS (SELECT FROM streampos.consumer_positions c \
                          WHERE c.stream_name OPERATOR(pg_catalog.=) $1) \
+             AND NOT EXISTS (SELECT FROM covered) \
            ON CONFLICT DO NOTHING \
            RETURNING true), \
          pruned AS ( \
@@ -182,7 +191,11 @@ pub fn mark_frontier(stream: &str, token: &str) -> Option<bool> {
                           (pg_catalog.date_trunc(b.unit, m.marked_at) OPERATOR(pg_catalog.+) \
                            ('1 ' OPERATOR(pg_catalog.||) b.unit)::pg_catalog.interval))) \
            RETURNING true) \
-         SELECT pg_catalog.count(*) FROM marked",
+         SELECT (SELECT pg_catalog.count(*) FROM marked) \
+                OPERATOR(pg_catalog.+) \
+                (SELECT pg_catalog.count(*) FROM covered \
+                 WHERE EXISTS (SELECT FROM streampos.consumer_positions c \
+                               WHERE c.stream_name OPERATOR(pg_catalog.=) $1))",
         &[stream.into(), token.into()],
     );
     Some(marked.unwrap_or(0) > 0)
