@@ -10,9 +10,10 @@
 //!
 //! The hot path reads straight: `allocation.rs` calls down into `index.rs`,
 //! `marks.rs` (a check of what this backend already knows), the registry
-//! and the sequence; `index.rs` calls `load.rs` only when a stream is not
-//! loaded (and `marks.rs` only when a history mark must be stored)
-//! (bench/hot_path.py traces it; test_hot_path.py checks it).
+//! and the sequence. `load.rs`, the cold path, is entered by `index.rs`
+//! only when a stream is not loaded, and by `marks.rs` only when a history
+//! mark must be stored (bench/hot_path.py traces the warm call;
+//! test_hot_path.py checks it never enters `load.rs`).
 
 mod allocation;
 mod answers;
