@@ -1192,10 +1192,17 @@ def test_an_orphaned_hold_is_released_without_new_allocations(connect, db, strea
     holder = connect()
     [held] = hold(holder, stream, "p")
     assert commit_ids(db, stream, "w") == [held + 1]
-    # The worker of this database (started by the allocations above).
-    workers = rows(db, "SELECT pid FROM pg_stat_activity WHERE backend_type = 'streampos position worker' "
-                       "AND datname = current_database()")
-    assert workers, "no position worker runs in the test database"
+    # The worker of this database (started by the allocations above; one
+    # that had just left for want of work is started again by them and
+    # shows in pg_stat_activity a moment later).
+    workers = []
+
+    def worker_runs():
+        workers[:] = rows(db, "SELECT pid FROM pg_stat_activity WHERE backend_type = "
+                              "'streampos position worker' AND datname = current_database()")
+        return bool(workers)
+
+    wait_until(worker_runs, timeout=10, message="a position worker in the test database")
     for (pid,) in workers:
         db.execute("SELECT pg_terminate_backend(%s)", (pid,))
     wait_until(lambda: not rows(db, "SELECT pid FROM pg_stat_activity WHERE backend_type = "
